@@ -1,0 +1,43 @@
+# Two commands set everything up: `make run` and `make test`. Every target is safe to run twice.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+LMSP_HOME ?= $(HOME)/.cache/lmsp
+MODEL_STAMP := $(LMSP_HOME)/models/smollm2-135m/.lmsp-import.json
+# CPU build of vLLM unless this machine has an NVIDIA GPU.
+EXTRA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+
+.PHONY: install model run test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "make: need $(PY) (Python 3.11)"; exit 1; }
+	@test -d $(VENV) || { echo "make: creating $(VENV)"; $(PY) -m venv $(VENV); }
+	@echo "make: installing lmsp with the $(EXTRA) engine (first time: a few minutes)"
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --progress-bar on -e ".[$(EXTRA),dev]"
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` beside CPU torch.
+	@if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	@touch $(STAMP)
+
+model: install $(MODEL_STAMP)
+
+$(MODEL_STAMP):
+	$(BIN)/lmsp models fetch-default
+
+run: model
+	$(BIN)/lmsp dev
+
+test: model
+	$(BIN)/pytest tests
+
+bench: model
+	$(BIN)/python -m tests.bench
+
+lint: install
+	$(BIN)/ruff check api worker common migrations tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,34 @@
+"""The LMSP api: a Flask app factory with one blueprint per resource."""
+
+from flask import Flask
+
+from common.broker import make_celery
+from common.bus import Publisher
+from common.db import ensure_migrated, make_engine, session_factory
+from common.registry import Registry
+from common.settings import Settings, get_settings
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    from api import auth, problems
+    from api.extensions import Services
+    from api.live import Hub
+    from api.views import events, health, models, responses, tasks
+
+    settings = settings or get_settings()
+    engine = make_engine(settings.db_url)
+    ensure_migrated(engine)
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False
+    sessions = session_factory(engine)
+    app.extensions["lmsp"] = Services(
+        settings=settings, engine=engine, sessions=sessions,
+        registry=Registry.load(settings.models_path), celery=make_celery(settings),
+        publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions))
+    problems.init_app(app)
+    auth.init_app(app)
+    for module in (health, models, responses, tasks, events):
+        app.register_blueprint(module.bp)
+    events.sock.init_app(app)
+    return app

@@ -1,0 +1,27 @@
+"""Everything the api shares across requests, initialised in one place."""
+
+from dataclasses import dataclass
+
+from celery import Celery
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from common.bus import Publisher
+from common.registry import Registry
+from common.settings import Settings
+
+
+@dataclass
+class Services:
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    registry: Registry
+    celery: Celery
+    publisher: Publisher
+    hub: "object"  # api.live.Hub
+
+
+def services() -> Services:
+    from flask import current_app
+    return current_app.extensions["lmsp"]

@@ -1,0 +1,68 @@
+"""Every error the api emits is a problem document (9.3); every response carries LMSP-Version (9.1)."""
+
+import json
+import logging
+
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+
+from common.errors import LMSPError, problem
+
+log = logging.getLogger("lmsp.api")
+VERSION = "1.0"
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
+               415: "unsupported_media_type", 400: "invalid_request"}
+
+
+def problem_response(doc: dict, headers: dict | None = None) -> Response:
+    resp = Response(json.dumps(doc), status=doc["status"], mimetype="application/problem+json")
+    for key, value in (headers or {}).items():
+        resp.headers[key] = value
+    return resp
+
+
+def error_response(exc: LMSPError) -> Response:
+    headers = dict(exc.headers)
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
+    if exc.code == "unauthorized":
+        headers["WWW-Authenticate"] = 'Bearer realm="lmsp"'
+    return problem_response(exc.to_problem(instance=request.path), headers)
+
+
+def init_app(app: Flask) -> None:
+    @app.before_request
+    def _version():
+        asked = request.headers.get("LMSP-Version")
+        if asked and asked.strip().split(".", 1)[0] != VERSION.split(".")[0]:
+            raise LMSPError("unsupported_version",
+                            f"LMSP-Version {asked!r} is not supported; this service speaks {VERSION}")
+
+    @app.after_request
+    def _stamp(resp: Response) -> Response:
+        resp.headers["LMSP-Version"] = VERSION
+        return resp
+
+    @app.errorhandler(LMSPError)
+    def _lmsp(exc: LMSPError):
+        return error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    def _http(exc: HTTPException):
+        code = _HTTP_CODES.get(exc.code)
+        if code is None:
+            return problem_response({"type": "about:blank", "title": exc.name, "status": exc.code,
+                                     "code": exc.name.lower().replace(" ", "_"), "detail": exc.description,
+                                     "instance": request.path})
+        detail = {404: f"No route {request.path}; the API lives under /lmsp/v1",
+                  405: f"{request.method} is not allowed on {request.path}",
+                  413: "The request body is larger than the limit",
+                  400: "The request could not be read"}.get(exc.code, exc.description)
+        headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
+        return problem_response(problem(code, detail, instance=request.path), headers)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return problem_response(problem("server_error", "The server failed; the error is logged",
+                                        instance=request.path))

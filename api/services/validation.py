@@ -1,0 +1,78 @@
+"""Everything a request must pass before it may reach a worker (DESIGN invariant 7)."""
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from common.errors import LMSPError
+from common.prompt import count_tokens, load_tokenizer, render
+from common.protocol import ResponseRequest, parse
+from common.registry import ModelSpec, Registry
+from common.tables import Response
+
+
+@dataclass
+class Prepared:
+    request: ResponseRequest   # with ``input`` expanded by previous_response_id
+    spec: ModelSpec
+    input_tokens: int
+    max_tokens: int
+
+
+def _capability(spec: ModelSpec, name: str, what: str) -> None:
+    if not spec.public_capabilities()[name]:
+        raise LMSPError("unsupported_capability", f"Model {spec.id} does not support {what} "
+                        f"(capability {name})", param=name)
+
+
+def prepare(session: Session, registry: Registry, principal: str, body) -> Prepared:
+    req = parse(ResponseRequest, body)
+    spec = registry.get(req.model)
+    if req.tools and (req.tool_choice or "auto") != "none":
+        _capability(spec, "tools", "tools")
+    if req.tool_choice is not None and not isinstance(req.tool_choice, str):
+        if req.tool_choice.name not in {t.name for t in req.tools or []}:
+            raise LMSPError("invalid_request", f"tool_choice names {req.tool_choice.name!r}, "
+                            "which is not in tools", param="tool_choice.name")
+    if req.tool_choice == "required" and not req.tools:
+        raise LMSPError("invalid_request", "tool_choice is required but tools is empty", param="tool_choice")
+    if req.json_schema is not None:
+        _capability(spec, "structured_output", "response_format json_schema")
+    if req.previous_response_id:
+        _capability(spec, "conversations", "previous_response_id")
+        req = _continue(session, principal, req)
+    if req.max_output_tokens and req.max_output_tokens > spec.max_output_tokens:
+        raise LMSPError("invalid_request", f"max_output_tokens {req.max_output_tokens} is above the "
+                        f"model's maximum {spec.max_output_tokens}", param="max_output_tokens")
+    tokenizer = load_tokenizer(spec.checkpoint)
+    input_tokens = count_tokens(tokenizer, render(tokenizer, req))
+    room = spec.context_window - input_tokens
+    if room < 1:
+        raise LMSPError("context_length_exceeded", f"The input is {input_tokens} tokens; model "
+                        f"{spec.id} has a context window of {spec.context_window}", param="input")
+    max_tokens = min(req.max_output_tokens or spec.max_output_tokens, spec.max_output_tokens, room)
+    return Prepared(req, spec, input_tokens, max_tokens)
+
+
+def _continue(session: Session, principal: str, req: ResponseRequest) -> ResponseRequest:
+    """Prefix the input with the stored response's context and output."""
+    prev = session.execute(select(Response).where(
+        Response.id == req.previous_response_id, Response.principal_id == principal,
+        Response.stored.is_(True))).scalar_one_or_none()
+    if prev is None:
+        raise LMSPError("response_not_found", f"No stored response {req.previous_response_id}",
+                        param="previous_response_id")
+    if prev.status not in ("completed", "incomplete"):
+        raise LMSPError("invalid_request", f"Response {prev.id} is {prev.status}; only a finished "
+                        "response can be continued", param="previous_response_id")
+    items = prev.request["input"] + [_as_input(item) for item in prev.output or []]
+    body = req.model_dump(mode="json", by_alias=True, exclude_none=True)
+    body["input"] = items + body["input"]
+    return ResponseRequest.model_validate(body)
+
+
+def _as_input(item: dict) -> dict:
+    if item["type"] == "message":
+        return {"type": "message", "role": "assistant", "content": item["content"]}
+    return item

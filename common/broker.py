@@ -1,0 +1,57 @@
+"""The Celery app both sides share: the api sends by task name, the worker consumes.
+
+Priorities: interactive ``POST /responses`` work is sent at INTERACTIVE and
+background tasks at BACKGROUND; kombu's Redis transport keeps one list per
+priority step and reads the most urgent first (lower is sooner).
+"""
+
+from celery import Celery
+
+from common.settings import Settings
+
+RUN_TASK = "lmsp.run"
+INTERACTIVE, BACKGROUND = 0, 6
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("lmsp", broker=settings.broker, set_as_current=False)
+    options: dict = {"visibility_timeout": 24 * 3600}
+    if settings.broker.startswith("filesystem"):
+        folder = settings.broker_folder
+        folder.mkdir(parents=True, exist_ok=True)
+        options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+    else:
+        options.update({"priority_steps": list(range(10)), "sep": ":", "queue_order_strategy": "priority"})
+    app.conf.update(
+        broker_transport_options=options,
+        broker_connection_retry_on_startup=True,
+        task_serializer="json",
+        accept_content=["json"],
+        task_acks_late=True,                # a crash mid-task leaves the message to be delivered again ...
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,       # ... and the Postgres claim makes that second delivery a no-op
+        task_ignore_result=True,
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        broker_heartbeat=0,
+    )
+    return app
+
+
+def dispatch(celery: Celery, queue: str, payload: dict, priority: int) -> None:
+    celery.send_task(RUN_TASK, kwargs=payload, queue=queue, priority=priority)
+
+
+def queue_length(celery: Celery, settings: Settings, queue: str) -> int:
+    """Messages waiting in the broker for ``queue`` (not counting ones a worker holds)."""
+    if settings.broker.startswith("filesystem"):
+        return sum(1 for p in settings.broker_folder.glob("*.msg") if _fs_queue(p) == queue)
+    with celery.connection_for_write() as conn:
+        client = conn.default_channel.client
+        keys = [queue] + [f"{queue}:{step}" for step in range(1, 10)]
+        return sum(client.llen(key) for key in keys)
+
+
+def _fs_queue(path) -> str:
+    # kombu's filesystem transport names files <timestamp>_<uuid>.<queue>.msg
+    return path.name.split(".", 1)[1].rsplit(".", 1)[0] if "." in path.name else ""

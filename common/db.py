@@ -1,0 +1,87 @@
+"""Database engine, sessions and migrations (Alembic, run from code)."""
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+class NotMigrated(RuntimeError):
+    pass
+
+
+def normalize_url(url: str) -> str:
+    # psycopg 3 is the driver we ship; plain postgresql:// would mean psycopg2.
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def make_engine(url: str, **kwargs) -> Engine:
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record):
+            # WAL lets followers read the log while a worker writes it.
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    if "poolclass" not in kwargs:
+        kwargs.setdefault("pool_size", 20)
+        kwargs.setdefault("max_overflow", 40)
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def transaction(factory: sessionmaker[Session]):
+    """A session whose work commits at the end of the block, or rolls back on error."""
+    with factory() as session, session.begin():
+        yield session
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def ensure_migrated(engine: Engine) -> None:
+    """Refuse to run against a database that is not at the latest migration."""
+    head = ScriptDirectory.from_config(alembic_config(str(engine.url))).get_current_head()
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+    if current != head:
+        raise NotMigrated(
+            f"database {engine.url.render_as_string(hide_password=True)} is at migration "
+            f"{current or 'none'}, the code needs {head}: run `lmsp migrate` first")

@@ -1,0 +1,56 @@
+"""The event format of spec 6.3: names, payload builders and the SSE wire form."""
+
+import json
+
+CREATED = "response.created"
+ITEM_ADDED = "response.output_item.added"
+TEXT_DELTA = "response.output_text.delta"
+REASONING_DELTA = "response.reasoning_summary_text.delta"
+ITEM_DONE = "response.output_item.done"
+COMPLETED = "response.completed"
+INCOMPLETE = "response.incomplete"
+FAILED = "response.failed"
+CANCELLED = "response.cancelled"
+ERROR = "error"
+
+FINAL = frozenset({COMPLETED, INCOMPLETE, FAILED, CANCELLED})
+
+
+def dumps(data: dict) -> str:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def created(rid: str) -> dict:
+    return {"response_id": rid, "status": "in_progress"}
+
+
+def item_added(rid: str, index: int, item: dict) -> dict:
+    return {"response_id": rid, "output_index": index, "item": item}
+
+
+def text_delta(rid: str, index: int, item_id: str, delta: str) -> dict:
+    return {"response_id": rid, "output_index": index, "item_id": item_id, "delta": delta}
+
+
+item_done = item_added
+
+
+def final(rid: str, status: str, *, usage=None, error=None, incomplete_details=None) -> tuple[str, dict]:
+    """The one final event for a response in ``status``."""
+    data: dict = {"response_id": rid, "status": status}
+    if status == "completed":
+        return COMPLETED, {**data, "usage": usage}
+    if status == "incomplete":
+        return INCOMPLETE, {**data, "incomplete_details": incomplete_details, "usage": usage}
+    if status == "failed":
+        return FAILED, {**data, "error": error}
+    return CANCELLED, data
+
+
+def sse(seq: int | None, name: str, data_json: str) -> str:
+    head = f"id: {seq}\n" if seq is not None else ""
+    return f"{head}event: {name}\ndata: {data_json}\n\n"
+
+
+def ws_frame(seq: int, name: str, data_json: str) -> str:
+    return f'{{"id":{seq},"event":{json.dumps(name)},"data":{data_json}}}'

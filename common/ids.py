@@ -1,0 +1,30 @@
+"""ULID-based ids with the spec's prefixes (``resp_01J8...``)."""
+
+import os
+import time
+
+_ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32
+
+PREFIXES = {
+    "response": "resp",
+    "task": "task",
+    "message": "msg",
+    "function_call": "fc",
+    "call": "call",
+    "reasoning": "rs",
+    "token": "tok",
+}
+
+
+def ulid() -> str:
+    """26 characters: 48-bit millisecond time then 80 random bits; sorts by creation time."""
+    value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+    chars = []
+    for _ in range(26):
+        chars.append(_ALPHABET[value & 31])
+        value >>= 5
+    return "".join(reversed(chars))
+
+
+def new_id(kind: str) -> str:
+    return f"{PREFIXES[kind]}_{ulid()}"

@@ -1,0 +1,166 @@
+"""Request shapes of spec 6.1 and 7.1, validated with pydantic.
+
+Validation errors become ``400 invalid_request`` with ``param`` naming the field.
+"""
+
+from typing import Annotated, Literal
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+from common.errors import LMSPError
+
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class MessageItem(Strict):
+    type: Literal["message"] = "message"
+    id: str | None = None
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(Strict):
+    type: Literal["function_call"]
+    id: str | None = None
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    id: str | None = None
+    call_id: str = Field(min_length=1)
+    output: str
+
+
+class SummaryPart(Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    """Sent back from an earlier output; the model does not see earlier reasoning."""
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryPart] = []
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: Name
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, value: dict) -> dict:
+        _check_schema(value)
+        return value
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    name: Name
+
+
+class JsonSchemaSpec(Strict):
+    name: Name
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, value: dict) -> dict:
+        _check_schema(value)
+        return value
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JsonSchemaFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class ResponseRequest(Strict):
+    model: str = Field(min_length=1, max_length=200)
+    input: list[InputItem] = Field(min_length=1)
+    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    response_format: Annotated[TextFormat | JsonSchemaFormat, Field(discriminator="type")] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    store: bool = False
+    previous_response_id: str | None = None
+    extensions: dict | None = None
+
+    @field_validator("extensions")
+    @classmethod
+    def _extensions(cls, value: dict | None) -> dict | None:
+        return value  # unknown extensions are ignored, never an error (9.1)
+
+    @property
+    def json_schema(self) -> dict | None:
+        fmt = self.response_format
+        return fmt.json_schema.schema_ if isinstance(fmt, JsonSchemaFormat) else None
+
+
+class TaskRequest(Strict):
+    type: Literal["response"]
+    input: ResponseRequest
+    on_restart: Literal["fail", "retry", "resume"] = "fail"
+
+
+def _check_schema(schema: dict) -> None:
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+
+
+def _param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function_call", "function_call_output", "message", "reasoning", "text",
+                      "json_schema", "str", "list[TextPart]", "function") and out:
+            continue  # pydantic's union-branch labels are not fields
+        else:
+            out += ("." if out else "") + str(part)
+    return out.replace("schema_", "schema")
+
+
+def parse(model: type[BaseModel], body) -> BaseModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        # The deepest error names the field the client got wrong, not a union branch.
+        err = max(exc.errors(), key=lambda e: len(e["loc"]))
+        param = _param(err["loc"])
+        raise LMSPError("invalid_request", f"{param or 'body'}: {err['msg']}", param=param or None) from None

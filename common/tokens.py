@@ -1,0 +1,79 @@
+"""Bearer tokens: random secrets shown once, stored as SHA-256 hashes, scoped (spec 10)."""
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from common.ids import new_id
+from common.tables import ApiToken, Principal
+
+SCOPES = ("models:read", "responses:write", "responses:read", "tasks:write", "tasks:read",
+          "tasks:cancel", "admin")
+DEFAULT_SCOPES = tuple(s for s in SCOPES if s != "admin")
+RESERVED_SCOPES = ("tools:execute",)  # reserved by spec 6.5/10.3: never granted in 1.0
+TOKEN_PREFIX = "lmsp_"
+
+
+@dataclass(frozen=True)
+class Identity:
+    token_id: str
+    principal: str
+    scopes: frozenset[str]
+
+
+def hash_secret(secret: str) -> str:
+    # The secret has 256 random bits, so a fast hash is as safe as a slow KDF.
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse_scopes(text: str | None) -> tuple[str, ...]:
+    if text is None or not text.strip():
+        return DEFAULT_SCOPES
+    scopes = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    for scope in scopes:
+        if scope in RESERVED_SCOPES:
+            raise ValueError(f"scope {scope} is reserved and never granted in LMSP 1.0")
+        if scope not in SCOPES:
+            raise ValueError(f"unknown scope {scope!r}; scopes are: {', '.join(SCOPES)}")
+    return scopes
+
+
+def create_token(session: Session, principal: str, scopes: tuple[str, ...], name: str | None = None
+                 ) -> tuple[str, str]:
+    """Create a token; return (token id, secret). The caller shows the secret once."""
+    now = time.time()
+    if session.get(Principal, principal) is None:
+        session.add(Principal(id=principal, created_at=now))
+        session.flush()
+    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    token_id = new_id("token")
+    session.add(ApiToken(id=token_id, principal_id=principal, name=name, token_hash=hash_secret(secret),
+                         scopes=" ".join(scopes), created_at=now))
+    return token_id, secret
+
+
+def authenticate(session: Session, secret: str) -> Identity | None:
+    digest = hash_secret(secret)
+    row = session.execute(select(ApiToken).where(ApiToken.token_hash == digest)).scalar_one_or_none()
+    # The lookup is by hash, so timing reveals nothing of the secret; compare anyway in constant time.
+    if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
+        return None
+    return Identity(row.id, row.principal_id, frozenset(row.scopes.split()))
+
+
+def list_tokens(session: Session) -> list[ApiToken]:
+    return list(session.execute(select(ApiToken).order_by(ApiToken.created_at)).scalars())
+
+
+def revoke_token(session: Session, token_id: str) -> bool:
+    row = session.get(ApiToken, token_id)
+    if row is None:
+        return False
+    if row.revoked_at is None:
+        row.revoked_at = time.time()
+    return True

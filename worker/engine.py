@@ -1,0 +1,264 @@
+"""Host of one vLLM ``AsyncLLM`` inside a (threads-pool) Celery worker process.
+
+``AsyncLLM`` binds to the asyncio loop that first uses it, and Celery has no
+asyncio pool, so the engine lives on one long-lived loop in a daemon thread.
+Pool threads hand requests to that loop with ``run_coroutine_threadsafe`` and
+read the streamed outputs from a thread-safe queue; every in-flight task is one
+concurrent engine request, which keeps vLLM's continuous batching full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm import SamplingParams, envs
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TextPrompt, TokensPrompt
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.v1.engine.async_llm import AsyncLLM
+
+# Inherited by the spawned EngineCore process, so a restarted worker can find
+# the engine its SIGKILLed predecessor left behind (see kill_stale_engines).
+ENGINE_TAG_ENV = "LMSP_ENGINE_TAG"
+
+
+@dataclass
+class GenParams:
+    max_tokens: int
+    temperature: float | None = None  # None -> the model's generation_config, else 1.0; 0 = greedy
+    json_schema: dict | None = None  # structured output: constrain to this JSON schema
+    stop_token_ids: list[int] | None = None
+    priority: int = 0  # lower value = served earlier (vLLM priority scheduling)
+    seed: int | None = None
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks, equal-length tests)
+
+
+@dataclass
+class Delta:
+    text: str  # new text since the previous Delta
+    token_ids: int  # number of new output tokens in this delta
+    finish_reason: str | None  # None while running; "stop" / "length" / "abort" at the end
+    prompt_tokens: int  # number of prompt tokens (same on every delta)
+
+
+class EngineHost:
+    def __init__(self, checkpoint: str, engine_args: dict, tag: str | None = None):
+        self._checkpoint = checkpoint
+        self._engine_args = engine_args
+        self._tag = tag
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
+        )
+        self._llm: AsyncLLM | None = None
+        self._sampling_defaults: dict = {}
+        self._tok_params = None
+        self._pumps: set[asyncio.Task] = set()  # touched only on the loop thread
+
+    def start(self) -> None:
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._load(), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    async def _load(self) -> None:
+        if self._tag is not None:
+            os.environ[ENGINE_TAG_ENV] = self._tag
+        args = AsyncEngineArgs(
+            **{"enforce_eager": True, **self._engine_args},
+            model=self._checkpoint,
+            scheduling_policy="priority",
+            enable_prefix_caching=True,  # resume re-submits prompt + output so far
+        )
+        # Created on the loop so its output handler task is bound to this loop.
+        self._llm = AsyncLLM.from_engine_args(args)
+        # The model's generation_config (temperature, top_p, ...) is the default
+        # for every knob GenParams leaves unset, as in vLLM's OpenAI server.
+        self._sampling_defaults = self._llm.model_config.get_diff_sampling_param()
+        self._sampling_defaults.pop("max_tokens", None)
+        # Prompts arrive chat-templated: adding BOS etc. again would corrupt them.
+        self._tok_params = self._llm.renderer.default_cmpl_tok_params.with_kwargs(
+            add_special_tokens=False
+        )
+
+    def generate(
+        self, request_id: str, prompt: str | list[int], params: GenParams
+    ) -> Iterator[Delta]:
+        out: queue.Queue[Delta | BaseException] = queue.Queue()
+        future = asyncio.run_coroutine_threadsafe(
+            self._pump(request_id, prompt, params, out), self._loop
+        )
+        try:
+            while True:
+                item = out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            # Consumer gone early (closed, GeneratorExit, error): cancelling the
+            # task makes vLLM's generate() abort the engine request.
+            future.cancel()
+
+    async def _pump(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: GenParams,
+        out: queue.Queue,
+    ) -> None:
+        self._pumps.add(asyncio.current_task())
+        try:
+            (engine_input,) = await self._llm.renderer.render_cmpl_async(
+                [
+                    TextPrompt(prompt=prompt)
+                    if isinstance(prompt, str)
+                    else TokensPrompt(prompt_token_ids=prompt)
+                ],
+                self._tok_params,
+            )
+            async for res in self._llm.generate(
+                engine_input,
+                self._sampling_params(params),
+                request_id,
+                priority=params.priority,
+            ):
+                c = res.outputs[0]
+                out.put(
+                    Delta(
+                        text=c.text,
+                        token_ids=len(c.token_ids),
+                        finish_reason=c.finish_reason,
+                        prompt_tokens=len(res.prompt_token_ids),
+                    )
+                )
+        except asyncio.CancelledError:
+            # generate() aborts only requests it finished adding; a cancel that
+            # lands mid-add would leave the request running in the engine core.
+            await self._llm.abort(request_id)
+            out.put(RuntimeError(f"request {request_id} cancelled"))
+            raise
+        except BaseException as e:
+            out.put(e)
+            raise
+        finally:
+            self._pumps.discard(asyncio.current_task())
+
+    def _sampling_params(self, p: GenParams) -> SamplingParams:
+        kw = dict(self._sampling_defaults)
+        if p.temperature is not None:
+            kw["temperature"] = p.temperature
+        return SamplingParams(
+            **kw,
+            max_tokens=p.max_tokens,
+            seed=p.seed,
+            stop_token_ids=p.stop_token_ids,
+            ignore_eos=p.ignore_eos,
+            structured_outputs=(
+                StructuredOutputsParams(json=p.json_schema)
+                if p.json_schema is not None
+                else None
+            ),
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def abort(self, request_id: str) -> None:
+        # Ends the request with a final "abort" Delta to its consumer.
+        asyncio.run_coroutine_threadsafe(
+            self._llm.abort(request_id), self._loop
+        ).result()
+
+    def running(self) -> int:
+        return len(self._pumps)
+
+    def tokenizer(self):
+        return self._llm.get_tokenizer()
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result()
+        self._stop_loop()
+
+    async def _close(self) -> None:
+        pumps = list(self._pumps)
+        for task in pumps:
+            task.cancel()  # consumers get an error instead of waiting forever
+        await asyncio.gather(*pumps, return_exceptions=True)
+        if self._llm is not None:
+            self._llm.shutdown()  # terminates and joins the EngineCore process
+            # Dropped now: AsyncLLM.__del__ shuts down again, and at interpreter
+            # exit that fails ("'NoneType' object is not callable").
+            self._llm = None
+
+    def _stop_loop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+
+
+def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
+    """SIGKILL the vLLM processes (EngineCore and its Worker) carrying ``tag``.
+
+    A SIGKILLed worker leaves its engine running (on a GPU, holding the card's
+    memory); call this at boot, before start(), with the worker's stable id as
+    the tag. Our own descendants are spared. Returns the pids killed.
+    """
+    marker = f"{ENGINE_TAG_ENV}={tag}".encode()
+    title = f"{envs.VLLM_PROCESS_NAME_PREFIX}::".encode()
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        pid = int(proc.name)
+        try:
+            if not (proc / "cmdline").read_bytes().startswith(title):
+                continue
+            if marker not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if _descends_from_us(pid):
+                continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            continue  # exited meanwhile, or not ours to read or kill
+        killed.append(pid)
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in killed):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stale engine processes did not exit: {killed}")
+        time.sleep(0.1)
+    return killed
+
+
+def _stat(pid: int) -> list[str]:
+    # Fields after "(comm)", which may itself contain spaces: [state, ppid, ...].
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _descends_from_us(pid: int) -> bool:
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        pid = int(_stat(pid)[1])
+    return False
+
+
+def _alive(pid: int) -> bool:
+    # A killed orphan may stay a zombie until its new parent reaps it; a
+    # zombie holds no memory, so it counts as gone.
+    try:
+        return _stat(pid)[0] != "Z"
+    except OSError:
+        return False
