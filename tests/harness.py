@@ -1,0 +1,196 @@
+"""Real processes for tests and benchmarks: a fresh Postgres database, workers, the api."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import requests
+import yaml
+
+from common.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_URL = os.environ.get("LMSP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("LMSP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+CHECKPOINT = Path(os.environ.get("LMSP_TEST_CHECKPOINT",
+                                 Settings().model_cache / "smollm2-135m"))
+
+
+def _with_db(url: str, name: str) -> str:
+    return url.rsplit("/", 1)[0] + "/" + name
+
+
+def create_database(prefix: str = "lmsp_test") -> str:
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_URL.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return _with_db(PG_URL, name)
+
+
+def drop_database(url: str) -> None:
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_URL.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_entry(model_id: str, **overrides) -> dict:
+    entry = {
+        "id": model_id, "checkpoint": str(CHECKPOINT), "context_window": 2048, "max_output_tokens": 1024,
+        "engine": {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 32, "enforce_eager": True},
+        "kv_cache_gib": 1,
+    }
+    entry.update(overrides)
+    return entry
+
+
+class Stack:
+    """One test run's configuration: its database, its models file, its processes."""
+
+    def __init__(self, tmp: Path, database_url: str, *, redis: bool = True, models: list[dict]):
+        self.tmp = tmp
+        self.database_url = database_url
+        self.models_file = tmp / "models.yaml"
+        self.models_file.write_text(yaml.safe_dump({"models": models}))
+        self.env = {
+            **os.environ,
+            "LMSP_HOME": str(tmp / "home"),
+            "LMSP_DATABASE_URL": database_url,
+            "LMSP_MODELS_FILE": str(self.models_file),
+            "LMSP_LEASE_SECONDS": "6",
+            "LMSP_HEARTBEAT_SECONDS": "1",
+            "LMSP_SWEEP_SECONDS": "1",
+            "LMSP_REQUEUE_AFTER_SECONDS": "3",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if redis:
+            self.env["LMSP_BROKER_URL"] = REDIS_URL
+            self.env["LMSP_REDIS_URL"] = REDIS_URL
+        self.procs: list[subprocess.Popen] = []
+
+    def lmsp(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "common.cli", *args], env=self.env, cwd=ROOT,
+                              capture_output=True, text=True, check=check)
+
+    def token(self, principal: str, scopes: str | None = None) -> str:
+        args = ["tokens", "create", "--principal", principal]
+        if scopes is not None:
+            args += ["--scopes", scopes]
+        return self.lmsp(*args).stdout.strip()
+
+    def spawn(self, argv: list[str], log_name: str, **env) -> subprocess.Popen:
+        log = open(self.tmp / log_name, "ab")
+        proc = subprocess.Popen(argv, env={**self.env, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def start_worker(self, model_id: str, worker_id: str, timeout: float = 240, **env) -> subprocess.Popen:
+        proc = self.spawn([sys.executable, "-m", "worker", "--model", model_id], f"worker-{worker_id}.log",
+                          LMSP_WORKER_ID=worker_id, **env)
+        self.wait_worker(proc, worker_id, timeout)
+        return proc
+
+    def wait_worker(self, proc, worker_id: str, timeout: float) -> None:
+        log = self.tmp / f"worker-{worker_id}.log"
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {worker_id} exited:\n{log.read_text()[-4000:]}")
+            if " ready." in log.read_text(errors="replace"):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"worker {worker_id} not ready:\n{log.read_text()[-4000:]}")
+
+    def start_api(self, workers: int = 1, threads: int = 64) -> str:
+        port = free_port()
+        self.spawn([sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", str(workers), "--threads",
+                    str(threads), "-b", f"127.0.0.1:{port}", "--timeout", "120", "api.wsgi:app"],
+                   f"api-{port}.log")
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if requests.get(base + "/healthz", timeout=1).ok:
+                    return base
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        raise TimeoutError((self.tmp / f"api-{port}.log").read_text()[-3000:])
+
+    def stop(self, proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> None:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+
+
+class Client:
+    def __init__(self, base: str, token: str):
+        self.base = base
+        self.http = requests.Session()
+        self.http.headers["Authorization"] = f"Bearer {token}"
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    def get(self, path: str, **kw):
+        return self.http.get(self.url(path), timeout=kw.pop("timeout", 120), **kw)
+
+    def post(self, path: str, body=None, **kw):
+        return self.http.post(self.url(path), json=body, timeout=kw.pop("timeout", 300), **kw)
+
+    def sse(self, path: str, **kw) -> list[tuple[int | None, str, dict]]:
+        """Read a whole SSE stream; return (id, event, data) tuples."""
+        with self.http.get(self.url(path), stream=True, timeout=kw.pop("timeout", 300), **kw) as resp:
+            assert resp.status_code == 200, resp.text
+            return parse_sse(resp.iter_lines(decode_unicode=True))
+
+    def stream_post(self, path: str, body, **kw):
+        return self.http.post(self.url(path), json=body, stream=True, timeout=300, **kw)
+
+
+def parse_sse(lines) -> list[tuple[int | None, str, dict]]:
+    out, seq, name, data = [], None, None, None
+    for line in lines:
+        if line is None:
+            continue
+        if line == "":
+            if name is not None:
+                out.append((seq, name, json.loads(data)))
+            seq, name, data = None, None, None
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("id: "):
+            seq = int(line[4:])
+        elif line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+    return out
+
+
+def user(text: str) -> list[dict]:
+    return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
