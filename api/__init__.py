@@ -10,7 +10,7 @@ from common.settings import Settings, get_settings
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    from api import auth, problems
+    from api import auth, openapi, problems
     from api.extensions import Services
     from api.live import Hub
     from api.views import events, health, models, responses, tasks
@@ -28,7 +28,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions))
     problems.init_app(app)
     auth.init_app(app)
-    for module in (health, models, responses, tasks, events):
+    for module in (health, models, responses, tasks, events, openapi):
         app.register_blueprint(module.bp)
     events.sock.init_app(app)
     return app

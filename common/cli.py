@@ -138,6 +138,10 @@ def cmd_worker(args) -> None:
     os.execv(argv[0], argv)
 
 
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
 def cmd_dev(_args) -> None:
     """api + one worker per model on this machine, with no Postgres or Redis."""
     from common.registry import Registry
@@ -155,6 +159,7 @@ def cmd_dev(_args) -> None:
         token_file.touch(mode=0o600)
         token_file.write_text(secret + "\n")
     say(f"a token for principal 'dev' is in {token_file}")
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the children on SIGTERM too, not only Ctrl-C
     children = [subprocess.Popen([sys.executable, "-m", "worker", "--model", m]) for m in models]
     api = subprocess.Popen(_gunicorn_argv(settings))
     children.append(api)
@@ -211,3 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     args.fn(args)
 
 
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 import uuid
 
 import pytest
+import yaml
 
 from tests.harness import Client, Stack, create_database, drop_database, model_entry
 
@@ -25,7 +26,6 @@ def stack(tmp_path_factory, pg_url, model_id):
     tmp = tmp_path_factory.mktemp("stack")
     fault_model = model_id.replace(":t", ":f")
     s = Stack(tmp, pg_url, models=[
-        model_entry(model_id),
         model_entry(fault_model),
         model_entry("tiny:no-tools", context_window=64, max_output_tokens=16,
                     capabilities={"tools": False, "structured_output": False, "conversations": False,
@@ -37,7 +37,24 @@ def stack(tmp_path_factory, pg_url, model_id):
 
 
 @pytest.fixture(scope="session")
-def worker(stack, model_id):
+def imported(stack, model_id):
+    """The session's model comes from `lmsp models import-gguf` under an id it has never seen."""
+    from common.gguf import fetch_default_gguf
+    from common.settings import Settings
+
+    gguf = fetch_default_gguf(Settings().home / "downloads", lambda _: None)
+    done = stack.lmsp("models", "import-gguf", str(gguf), "--id", model_id)
+    entries = yaml.safe_load(stack.models_file.read_text())["models"]
+    entry = next(e for e in entries if e["id"] == model_id)
+    # Smaller than the registered defaults: several engines share this 2-core machine in tests.
+    tuned = model_entry(model_id, checkpoint=entry["checkpoint"])
+    stack.models_file.write_text(yaml.safe_dump(
+        {"models": [tuned if e["id"] == model_id else e for e in entries]}))
+    return {"entry": entry, "stderr": done.stderr, "stdout": done.stdout}
+
+
+@pytest.fixture(scope="session")
+def worker(stack, model_id, imported):
     return stack.start_worker(model_id, f"test-{model_id}")
 
 

@@ -10,6 +10,7 @@ concurrent engine request, which keeps vLLM's continuous batching full.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import queue
 import signal
@@ -61,6 +62,7 @@ class EngineHost:
         self._llm: AsyncLLM | None = None
         self._sampling_defaults: dict = {}
         self._tok_params = None
+        self._engine_procs: list[multiprocessing.Process] = []
         self._pumps: set[asyncio.Task] = set()  # touched only on the loop thread
 
     def start(self) -> None:
@@ -80,8 +82,12 @@ class EngineHost:
             scheduling_policy="priority",
             enable_prefix_caching=True,  # resume re-submits prompt + output so far
         )
+        before = set(multiprocessing.active_children())
         # Created on the loop so its output handler task is bound to this loop.
         self._llm = AsyncLLM.from_engine_args(args)
+        self._engine_procs = [
+            p for p in multiprocessing.active_children() if p not in before
+        ]
         # The model's generation_config (temperature, top_p, ...) is the default
         # for every knob GenParams leaves unset, as in vLLM's OpenAI server.
         self._sampling_defaults = self._llm.model_config.get_diff_sampling_param()
@@ -196,10 +202,14 @@ class EngineHost:
             task.cancel()  # consumers get an error instead of waiting forever
         await asyncio.gather(*pumps, return_exceptions=True)
         if self._llm is not None:
-            self._llm.shutdown()  # terminates and joins the EngineCore process
+            self._llm.shutdown()  # SIGTERM, then SIGKILL after a 5 s grace
             # Dropped now: AsyncLLM.__del__ shuts down again, and at interpreter
             # exit that fails ("'NoneType' object is not callable").
             self._llm = None
+        for proc in self._engine_procs:
+            # vLLM does not reap an EngineCore it had to SIGKILL, which would
+            # linger as a <defunct> "VLLM::EngineCor".
+            proc.join(timeout=10)
 
     def _stop_loop(self) -> None:
         if self._thread.is_alive():
