@@ -56,7 +56,29 @@ def _request_schemas() -> dict:
             if name in out and out[name] != sub:
                 raise RuntimeError(f"two different request schemas are named {name}")
             out[name] = sub
+    _require_discriminators(out)
     return out
+
+
+def _require_discriminators(schemas: dict) -> None:
+    """pydantic's discriminated unions need the tag even where the model has a default for it
+    (MessageItem.type): mark it required, as the api enforces and OpenAPI asks of a discriminator."""
+
+    def walk(node):
+        if isinstance(node, dict):
+            disc = node.get("discriminator")
+            if isinstance(disc, dict) and "mapping" in disc:
+                for target in disc["mapping"].values():
+                    schema = schemas[target.rsplit("/", 1)[-1]]
+                    if disc["propertyName"] not in schema.setdefault("required", []):
+                        schema["required"].insert(0, disc["propertyName"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(list(schemas.values()))
 
 
 def _problem() -> dict:
@@ -403,7 +425,9 @@ def _paths() -> dict:
                                     "connection instead of answering with a status.",
                      "headers": _headers(),
                      "x-lmsp-frame": ref("WebSocketFrame")},
-             **errors((400, "invalid_request", "Not a WebSocket handshake"))},
+             # flask-sock runs the view (and so the scope check) after the handshake: no 403 status.
+             **{k: v for k, v in errors((400, "invalid_request", "Not a WebSocket handshake")).items()
+                if k != "403"}},
             description="Same events and resumption (`after`, Last-Event-ID) as the SSE endpoint.",
             params=["TaskId", "After", "LastEventId"])},
     }

@@ -6,7 +6,18 @@ Validation errors become ``400 invalid_request`` with ``param`` naming the field
 from typing import Annotated, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 
 from common.errors import LMSPError
 
@@ -19,14 +30,14 @@ class Strict(BaseModel):
 
 class TextPart(Strict):
     type: Literal["input_text", "output_text"]
-    text: str
+    text: StrictStr
 
 
 class MessageItem(Strict):
     type: Literal["message"] = "message"
     id: str | None = None
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: StrictStr | list[TextPart]
     status: str | None = None
 
     def text(self) -> str:
@@ -38,7 +49,7 @@ class FunctionCallItem(Strict):
     id: str | None = None
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
-    arguments: str
+    arguments: StrictStr
     status: str | None = None
 
 
@@ -46,7 +57,7 @@ class FunctionCallOutputItem(Strict):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str = Field(min_length=1)
-    output: str
+    output: StrictStr
 
 
 class SummaryPart(Strict):
@@ -70,7 +81,7 @@ class FunctionTool(Strict):
     name: Name
     description: str | None = None
     parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -109,14 +120,14 @@ class JsonSchemaFormat(Strict):
 class ResponseRequest(Strict):
     model: str = Field(min_length=1, max_length=200)
     input: list[InputItem] = Field(min_length=1)
-    stream: bool = False
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    stream: StrictBool = False
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=2)
     response_format: Annotated[TextFormat | JsonSchemaFormat, Field(discriminator="type")] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    store: bool = False
-    previous_response_id: str | None = None
+    store: StrictBool = False
+    previous_response_id: StrictStr | None = None
     extensions: dict | None = None
 
     @field_validator("extensions")

@@ -98,3 +98,4 @@ class Worker(Base):
     heartbeat_at: Mapped[float] = mapped_column(Float)
     started_at: Mapped[float] = mapped_column(Float)
     stopped_at: Mapped[float | None] = mapped_column(Float)
+    running: Mapped[int] = mapped_column(Integer, default=0)  # engine requests in flight at the last heartbeat

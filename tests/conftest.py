@@ -59,7 +59,7 @@ def worker(stack, model_id, imported):
 
 
 @pytest.fixture(scope="session")
-def api(stack):
+def api(stack, imported):
     return stack.start_api()
 
 

@@ -98,7 +98,7 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def start_worker(self, model_id: str, worker_id: str, timeout: float = 240, **env) -> subprocess.Popen:
+    def start_worker(self, model_id: str, worker_id: str, timeout: float = 600, **env) -> subprocess.Popen:
         proc = self.spawn([sys.executable, "-m", "worker", "--model", model_id], f"worker-{worker_id}.log",
                           LMSP_WORKER_ID=worker_id, **env)
         self.wait_worker(proc, worker_id, timeout)

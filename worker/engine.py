@@ -56,9 +56,7 @@ class EngineHost:
         self._engine_args = engine_args
         self._tag = tag
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._llm: AsyncLLM | None = None
         self._sampling_defaults: dict = {}
         self._tok_params = None
@@ -85,25 +83,18 @@ class EngineHost:
         before = set(multiprocessing.active_children())
         # Created on the loop so its output handler task is bound to this loop.
         self._llm = AsyncLLM.from_engine_args(args)
-        self._engine_procs = [
-            p for p in multiprocessing.active_children() if p not in before
-        ]
+        self._engine_procs = [p for p in multiprocessing.active_children() if p not in before]
         # The model's generation_config (temperature, top_p, ...) is the default
         # for every knob GenParams leaves unset, as in vLLM's OpenAI server.
         self._sampling_defaults = self._llm.model_config.get_diff_sampling_param()
         self._sampling_defaults.pop("max_tokens", None)
         # Prompts arrive chat-templated: adding BOS etc. again would corrupt them.
-        self._tok_params = self._llm.renderer.default_cmpl_tok_params.with_kwargs(
-            add_special_tokens=False
-        )
+        self._tok_params = self._llm.renderer.default_cmpl_tok_params.with_kwargs(add_special_tokens=False)
 
-    def generate(
-        self, request_id: str, prompt: str | list[int], params: GenParams
-    ) -> Iterator[Delta]:
+    def generate(self, request_id: str, prompt: str | list[int], params: GenParams) -> Iterator[Delta]:
+        """Stream one request's output; it is submitted on the first next()."""
         out: queue.Queue[Delta | BaseException] = queue.Queue()
-        future = asyncio.run_coroutine_threadsafe(
-            self._pump(request_id, prompt, params, out), self._loop
-        )
+        future = asyncio.run_coroutine_threadsafe(self._pump(request_id, prompt, params, out), self._loop)
         try:
             while True:
                 item = out.get()
@@ -172,18 +163,14 @@ class EngineHost:
             stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos,
             structured_outputs=(
-                StructuredOutputsParams(json=p.json_schema)
-                if p.json_schema is not None
-                else None
+                StructuredOutputsParams(json=p.json_schema) if p.json_schema is not None else None
             ),
             output_kind=RequestOutputKind.DELTA,
         )
 
     def abort(self, request_id: str) -> None:
         # Ends the request with a final "abort" Delta to its consumer.
-        asyncio.run_coroutine_threadsafe(
-            self._llm.abort(request_id), self._loop
-        ).result()
+        asyncio.run_coroutine_threadsafe(self._llm.abort(request_id), self._loop).result()
 
     def running(self) -> int:
         return len(self._pumps)
@@ -202,7 +189,9 @@ class EngineHost:
             task.cancel()  # consumers get an error instead of waiting forever
         await asyncio.gather(*pumps, return_exceptions=True)
         if self._llm is not None:
-            self._llm.shutdown()  # SIGTERM, then SIGKILL after a 5 s grace
+            # A clean exit takes ~6 s on CPU; vLLM's default 5 s grace before
+            # SIGKILL would cut it short.
+            self._llm.shutdown(timeout=15)
             # Dropped now: AsyncLLM.__del__ shuts down again, and at interpreter
             # exit that fails ("'NoneType' object is not callable").
             self._llm = None

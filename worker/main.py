@@ -72,7 +72,10 @@ def serve(ctx: WorkerContext) -> None:
 
     @worker_shutting_down.connect
     def _stop(**_):
+        # Celery's warm shutdown would wait for generations that may run for hours (and hangs while
+        # the engine lives): stop the engine now; unfinished tasks get their on_restart policy.
         ctx.stopping.set()
+        ctx.engine.shutdown()
 
     recovery.heartbeat(ctx)
     recovery.recover_own(ctx)

@@ -140,7 +140,8 @@ def enforce_retention(ctx: WorkerContext) -> None:
 def heartbeat(ctx: WorkerContext, stopped: bool = False) -> None:
     now = time.time()
     with ctx.sessions() as session:
-        values = {"heartbeat_at": now, "model": ctx.spec.id, "stopped_at": now if stopped else None}
+        values = {"heartbeat_at": now, "model": ctx.spec.id, "stopped_at": now if stopped else None,
+                  "running": 0 if stopped else ctx.engine.running()}
         if session.execute(update(Worker).where(Worker.id == ctx.worker_id).values(**values)).rowcount == 0:
             session.add(Worker(id=ctx.worker_id, started_at=now, **values))
         session.commit()

@@ -13,12 +13,12 @@ from api.extensions import Services
 from api.services.models import live_workers
 from api.services.validation import Prepared
 from common import eventlog, events
-from common.broker import BACKGROUND, INTERACTIVE, dispatch, queue_length
+from common.broker import BACKGROUND, INTERACTIVE, dispatch
 from common.errors import LMSPError
 from common.events import dumps
 from common.ids import new_id
 from common.resources import response_object, task_object
-from common.states import CANCELLED, FAILED, LOADING, QUEUED, RUNNING, SUCCEEDED, transition
+from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, SUCCEEDED, transition
 from common.tables import Response, Task
 
 CONTROL_CHANNEL = "lmsp:control"

@@ -95,6 +95,7 @@ def upgrade() -> None:
         sa.Column("heartbeat_at", sa.Float, nullable=False),
         sa.Column("started_at", sa.Float, nullable=False),
         sa.Column("stopped_at", sa.Float),
+        sa.Column("running", sa.Integer, nullable=False, server_default="0"),
     )
 
 
