@@ -28,13 +28,17 @@ def init_app(app: Flask) -> None:
         g.identity = identity
 
 
+def check_scope(scope: str) -> None:
+    if scope not in g.identity.scopes:
+        raise LMSPError("insufficient_scope", f"This needs scope {scope}", scope=scope,
+                        headers={"WWW-Authenticate": f'Bearer error="insufficient_scope", scope="{scope}"'})
+
+
 def require(scope: str):
     def decorate(view):
         @wraps(view)
         def wrapper(*args, **kwargs):
-            if scope not in g.identity.scopes:
-                raise LMSPError("insufficient_scope", f"This needs scope {scope}", scope=scope,
-                                headers={"WWW-Authenticate": f'Bearer error="insufficient_scope", scope="{scope}"'})
+            check_scope(scope)
             return view(*args, **kwargs)
         return wrapper
     return decorate

@@ -56,8 +56,7 @@ def init_app(app: Flask) -> None:
                                      "instance": request.path})
         detail = {404: f"No route {request.path}; the API lives under /lmsp/v1",
                   405: f"{request.method} is not allowed on {request.path}",
-                  413: "The request body is larger than the limit",
-                  400: "The request could not be read"}.get(exc.code, exc.description)
+                  413: "The request body is larger than the limit"}.get(exc.code, exc.description)
         headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
         return problem_response(problem(code, detail, instance=request.path), headers)
 

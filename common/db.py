@@ -85,3 +85,27 @@ def ensure_migrated(engine: Engine) -> None:
         raise NotMigrated(
             f"database {engine.url.render_as_string(hide_password=True)} is at migration "
             f"{current or 'none'}, the code needs {head}: run `lmsp migrate` first")
+
+
+def retrying(fn, *, seconds: float = 300.0, log=None):
+    """Run ``fn()`` (one whole transaction) again while the database is unreachable.
+
+    A Postgres restart must not turn a finished generation into a lost outcome:
+    the caller's transaction is simply replayed once the server is back.
+    """
+    import time
+
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    deadline = time.monotonic() + seconds
+    delay = 0.1
+    while True:
+        try:
+            return fn()
+        except (OperationalError, DBAPIError) as exc:
+            if not (isinstance(exc, OperationalError) or exc.connection_invalidated) or time.monotonic() > deadline:
+                raise
+            if log is not None:
+                log.warning("database unavailable (%s); retrying", type(exc.orig).__name__)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)

@@ -61,8 +61,7 @@ def messages(req: ResponseRequest, native_tools: bool) -> list[dict]:
     names = {}
     for item in req.input:
         if isinstance(item, MessageItem):
-            role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": item.text()})
+            out.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             names[item.call_id] = item.name
             if native_tools:

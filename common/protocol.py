@@ -34,9 +34,9 @@ class TextPart(Strict):
 
 
 class MessageItem(Strict):
-    type: Literal["message"] = "message"
+    type: Literal["message"]
     id: str | None = None
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant"]
     content: StrictStr | list[TextPart]
     status: str | None = None
 

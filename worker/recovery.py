@@ -12,26 +12,15 @@ import time
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from common import eventlog, events
+from common import eventlog
 from common.broker import BACKGROUND, dispatch, queue_length
 from common.errors import problem
-from common.events import dumps
 from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, TERMINAL, transition
 from common.tables import IdempotencyRecord, Response, Task, Worker
 from worker.context import WorkerContext
-from worker.runner import EngineStopped, cancelling_tasks, run_recovered, unfinished_direct
+from worker.runner import EngineStopped, cancelling_tasks, run_recovered, unfinished_direct, write_final
 
 log = logging.getLogger("lmsp.recovery")
-
-
-def _final(session, response_id: str, status: str, error=None) -> list:
-    seq = eventlog.max_seq(session, response_id) + 1
-    name, data = events.final(response_id, status, error=error)
-    batch = [(seq, name, dumps(data))]
-    eventlog.append(session, response_id, batch)
-    session.execute(update(Response).where(Response.id == response_id).values(
-        status=status, error=error, updated_at=time.time()))
-    return batch
 
 
 def apply_policy(ctx: WorkerContext, task_id: str) -> None:
@@ -43,12 +32,12 @@ def apply_policy(ctx: WorkerContext, task_id: str) -> None:
         batch = None
         if task.status == CANCELLING:
             if transition(session, task_id, CANCELLED, only_from=[CANCELLING]):
-                batch = _final(session, task.response_id, "cancelled")
+                batch = write_final(session, task.response_id, "cancelled")
         elif task.on_restart == "fail":
             error = problem("server_restarted", "The worker running this task restarted; "
                             "submit it again (or use on_restart retry/resume)")
             if transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error):
-                batch = _final(session, task.response_id, "failed", error)
+                batch = write_final(session, task.response_id, "failed", error)
         else:
             ctx.recovered.submit(_run_recovered, ctx, task_id, task.on_restart == "resume")
         session.commit()

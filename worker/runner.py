@@ -3,10 +3,12 @@
 import json
 import logging
 import time
+from contextlib import contextmanager
 
 from sqlalchemy import select, update
 
 from common import eventlog, events
+from common.db import retrying
 from common.errors import problem
 from common.events import dumps
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
@@ -121,10 +123,12 @@ class Job:
         self.finish(status, emitted, builder.items, usage, error)
 
     def _mark_running(self) -> bool:
-        with self.ctx.sessions() as session:
-            won = transition(session, self.task.id, RUNNING, only_from=[LOADING])
-            session.commit()
-        return won
+        def attempt():
+            with self.ctx.sessions() as session:
+                won = transition(session, self.task.id, RUNNING, only_from=[LOADING])
+                session.commit()
+            return won
+        return retrying(attempt, log=log)
 
     # -- the one final event ----------------------------------------------------------------
     def finish(self, status: str, emitted, output, usage, error) -> None:
@@ -132,27 +136,35 @@ class Job:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         if self.logged:
             ctx.writer.flush()  # every earlier event is in the log before the final one
-        with ctx.sessions() as session:
-            if self.task is not None:
-                status = self._finish_task(session, status, error)
-                if status is None:
-                    session.rollback()
-                    return  # someone else finished it (a sweeper after a lease expiry)
-            else:
-                won = session.execute(update(Response).where(
-                    Response.id == self.rid, Response.status == "in_progress").values(status=status)).rowcount
-                if not won:
-                    status = "cancelled"  # the client went away and the api marked it
-            name, data = events.final(self.rid, status, usage=usage if status != "cancelled" else None,
-                                      error=error, incomplete_details=incomplete)
-            batch = self.number(list(emitted) + [(name, data)])
-            if self.logged:
-                eventlog.append(session, self.rid, batch)
-            session.execute(update(Response).where(Response.id == self.rid).values(
-                status=status, output=output, usage=usage, error=error, incomplete_details=incomplete,
-                updated_at=time.time()))
-            session.commit()
-        ctx.publisher.publish(self.rid, batch)
+        first_seq = self.seq
+
+        def attempt(status=status):
+            self.seq = first_seq  # a replayed transaction numbers its events again
+            with ctx.sessions() as session:
+                if self.task is not None:
+                    status = self._finish_task(session, status, error)
+                    if status is None:
+                        session.rollback()
+                        return None  # someone else finished it (a sweeper after a lease expiry)
+                else:
+                    won = session.execute(update(Response).where(
+                        Response.id == self.rid, Response.status == "in_progress").values(status=status)).rowcount
+                    if not won:
+                        status = "cancelled"  # the client went away and the api marked it
+                name, data = events.final(self.rid, status, usage=usage if status != "cancelled" else None,
+                                          error=error, incomplete_details=incomplete)
+                batch = self.number(list(emitted) + [(name, data)])
+                if self.logged:
+                    eventlog.append(session, self.rid, batch)
+                session.execute(update(Response).where(Response.id == self.rid).values(
+                    status=status, output=output, usage=usage, error=error, incomplete_details=incomplete,
+                    updated_at=time.time()))
+                session.commit()
+            return batch
+
+        batch = retrying(attempt, log=log)
+        if batch:
+            ctx.publisher.publish(self.rid, batch)
 
     def _finish_task(self, session, status: str, error) -> str | None:
         task_id = self.task.id
@@ -171,17 +183,52 @@ class Job:
 
 def run_task(ctx: WorkerContext, task_id: str) -> None:
     """A broker delivery: claim the queued task, or drop a duplicate."""
-    with ctx.sessions() as session:
-        won = transition(session, task_id, LOADING, only_from=[QUEUED], worker_id=ctx.worker_id,
-                         attempt=Task.attempt + 1)
-        session.commit()
-        if not won:
-            return  # a duplicate delivery, or cancelled while queued
-        task = session.get(Task, task_id)
-        response = session.get(Response, task.response_id)
-        start = eventlog.max_seq(session, response.id)
-    job = Job(ctx, response, task, start)
-    job.run(job.builder())
+    def claim():
+        with ctx.sessions() as session:
+            won = transition(session, task_id, LOADING, only_from=[QUEUED], worker_id=ctx.worker_id,
+                             attempt=Task.attempt + 1)
+            session.commit()
+            if not won:
+                return None  # a duplicate delivery, or cancelled while queued
+            task = session.get(Task, task_id)
+            response = session.get(Response, task.response_id)
+            return response, task, eventlog.max_seq(session, response.id)
+
+    claimed = retrying(claim, log=log)
+    if claimed is None:
+        return
+    with failing_on_error(ctx, task_id):
+        job = Job(ctx, *claimed)
+        job.run(job.builder())
+
+
+@contextmanager
+def failing_on_error(ctx: WorkerContext, task_id: str):
+    """A bug must not leave a claimed task unfinished forever: fail it with one final event."""
+    try:
+        yield
+    except EngineStopped:
+        raise
+    except Exception:
+        log.exception("task %s failed unexpectedly", task_id)
+        error = problem("generation_failed", "The worker failed on this task; the error is logged")
+        with ctx.sessions() as session:
+            task = session.get(Task, task_id)
+            if transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error):
+                batch = write_final(session, task.response_id, "failed", error)
+                session.commit()
+                ctx.publisher.publish(task.response_id, batch)
+
+
+def write_final(session, response_id: str, status: str, error=None) -> list:
+    """The final event of a response nobody is generating any more (its writer is gone)."""
+    seq = eventlog.max_seq(session, response_id) + 1
+    name, data = events.final(response_id, status, error=error)
+    batch = [(seq, name, dumps(data))]
+    eventlog.append(session, response_id, batch)
+    session.execute(update(Response).where(Response.id == response_id).values(
+        status=status, error=error, updated_at=time.time()))
+    return batch
 
 
 def run_recovered(ctx: WorkerContext, task_id: str, resume: bool) -> None:
@@ -195,17 +242,18 @@ def run_recovered(ctx: WorkerContext, task_id: str, resume: bool) -> None:
         session.refresh(task)
         response = session.get(Response, task.response_id)
         logged = eventlog.read(session, response.id, 0, limit=10**9)
-    job = Job(ctx, response, task, logged[-1][0] if logged else 0)
-    builder = job.builder()
-    prior_tokens = 0
-    if resume:
-        # The snapshot is the latest attempt's logged output: it began at output_index 0.
-        starts = [i for i, (_, name, data) in enumerate(logged)
-                  if name == events.ITEM_ADDED and json.loads(data)["output_index"] == 0]
-        for _, name, data in logged[starts[-1]:] if starts else []:
-            builder.replay(name, json.loads(data))
-        prior_tokens = count_tokens(ctx.engine.tokenizer(), builder.raw) if builder.raw else 0
-    job.run(builder, prior_tokens)
+    with failing_on_error(ctx, task_id):
+        job = Job(ctx, response, task, logged[-1][0] if logged else 0)
+        builder = job.builder()
+        prior_tokens = 0
+        if resume:
+            # The snapshot is the latest attempt's logged output: it began at output_index 0.
+            starts = [i for i, (_, name, data) in enumerate(logged)
+                      if name == events.ITEM_ADDED and json.loads(data)["output_index"] == 0]
+            for _, name, data in logged[starts[-1]:] if starts else []:
+                builder.replay(name, json.loads(data))
+            prior_tokens = count_tokens(ctx.engine.tokenizer(), builder.raw) if builder.raw else 0
+        job.run(builder, prior_tokens)
 
 
 def run_direct(ctx: WorkerContext, response_id: str) -> None:

@@ -7,13 +7,11 @@ committed before published).
 
 import logging
 import threading
-import time
 from collections import defaultdict
-
-from sqlalchemy.exc import OperationalError
 
 from common import eventlog
 from common.bus import Publisher
+from common.db import retrying
 
 log = logging.getLogger("lmsp.writer")
 Event = tuple[int, str, str]
@@ -70,15 +68,11 @@ class EventWriter:
                 self._cond.notify_all()
 
     def _commit(self, grouped: dict[str, list[Event]]) -> None:
-        delay = 0.1
-        while True:  # Postgres restarting: keep the events and try again, never drop them
-            try:
-                with self.sessions() as session:
-                    for rid, batch in grouped.items():
-                        eventlog.append(session, rid, batch)
-                    session.commit()
-                return
-            except OperationalError as exc:
-                log.warning("event log unavailable (%s); retrying", exc.__class__.__name__)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        def attempt():
+            with self.sessions() as session:
+                for rid, batch in grouped.items():
+                    eventlog.append(session, rid, batch)
+                session.commit()
+
+        # Postgres restarting: keep the events and try again, never drop them.
+        retrying(attempt, seconds=float("inf"), log=log)

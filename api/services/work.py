@@ -44,7 +44,9 @@ def ensure_available(svc: Services, session: Session, model_id: str) -> None:
 def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
     with svc.sessions() as session:
         ensure_available(svc, session, prepared.spec.id)
-        row = _response_row(prepared, principal, "queued", prepared.request.store)
+        # Without capability conversations, store is ignored (6.1).
+        stored = prepared.request.store and prepared.spec.public_capabilities()["conversations"]
+        row = _response_row(prepared, principal, "queued", stored)
         session.add(row)
         session.commit()
     dispatch(svc.celery, prepared.spec.queue, {"response_id": row.id}, INTERACTIVE)

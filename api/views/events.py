@@ -2,10 +2,10 @@
 
 import time
 
-from flask import Blueprint, Response, request, stream_with_context
+from flask import Blueprint, Response, g, request, stream_with_context
 from flask_sock import Sock
 
-from api.auth import principal, require
+from api.auth import check_scope, principal, require
 from api.extensions import services
 from api.live import follow
 from api.services.work import get_task
@@ -20,7 +20,7 @@ sock = Sock()
 def _after() -> int:
     raw = request.args.get("after")
     param = "after"
-    if raw is None:
+    if not raw:
         raw, param = request.headers.get("Last-Event-ID"), "Last-Event-ID"
     if raw is None or raw == "":
         return 0
@@ -62,10 +62,18 @@ def sse(task_id: str):
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+@bp.before_request
+def _ws_preflight():
+    # flask-sock completes the handshake before calling the view: check access first,
+    # so a refusal is an HTTP problem document, not a broken socket.
+    if request.endpoint == "events.ws":
+        check_scope("tasks:read")
+        g.ws_target = _open(request.view_args["task_id"])
+
+
 @sock.route("/<task_id>/ws", bp=bp)
-@require("tasks:read")
 def ws(socket, task_id: str):
-    response_id, after = _open(task_id)
+    response_id, after = g.ws_target
     for event in _follow(response_id, after):
         if event is not None:
             socket.send(events.ws_frame(*event))

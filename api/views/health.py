@@ -2,7 +2,9 @@ from flask import Blueprint
 from sqlalchemy import text
 
 from api.extensions import services
+from api.problems import problem_response
 from common.broker import queue_length
+from common.errors import problem
 
 bp = Blueprint("health", __name__)
 
@@ -27,5 +29,8 @@ def readyz():
         checks["broker"] = "ok"
     except Exception as exc:  # noqa: BLE001
         checks["broker"] = f"error: {type(exc).__name__}"
-    ready = all(v == "ok" for v in checks.values())
-    return {"status": "ready" if ready else "not_ready", "checks": checks}, 200 if ready else 503
+    if all(v == "ok" for v in checks.values()):
+        return {"status": "ready", "checks": checks}
+    doc = problem("overloaded", "Not ready: " + ", ".join(f"{k} {v}" for k, v in checks.items()),
+                  instance="/readyz", checks=checks)
+    return problem_response(doc, {"Retry-After": "5"})

@@ -9,6 +9,7 @@ from api.extensions import services
 from api.services import idempotency
 from api.services.validation import prepare
 from api.services.work import cancel_task, check_task_limits, get_task, new_task, send_task, task_view
+from common.errors import LMSPError
 from common.protocol import TaskRequest, parse
 
 bp = Blueprint("tasks", __name__, url_prefix="/lmsp/v1/tasks")
@@ -30,7 +31,11 @@ def create():
     with svc.sessions() as session:
         if key is not None and (record := idempotency.existing(session, key)) is not None:
             return _replay(session, who, idempotency.check_replay(record, key))
-        prepared = prepare(session, svc.registry, who, {**body["input"], "stream": False})
+        try:
+            prepared = prepare(session, svc.registry, who, {**body["input"], "stream": False})
+        except LMSPError as exc:
+            exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
+            raise
         check_task_limits(svc, session, who, prepared)
         task = new_task(session, who, prepared, envelope.on_restart)
         if key is not None:
