@@ -99,21 +99,19 @@ class Stack:
         return proc
 
     def start_worker(self, model_id: str, worker_id: str, timeout: float = 600, **env) -> subprocess.Popen:
-        proc = self.spawn([sys.executable, "-m", "worker", "--model", model_id], f"worker-{worker_id}.log",
-                          LMSP_WORKER_ID=worker_id, **env)
-        self.wait_worker(proc, worker_id, timeout)
-        return proc
-
-    def wait_worker(self, proc, worker_id: str, timeout: float) -> None:
         log = self.tmp / f"worker-{worker_id}.log"
+        start = log.stat().st_size if log.exists() else 0  # a restarted worker appends to its log
+        proc = self.spawn([sys.executable, "-m", "worker", "--model", model_id], log.name,
+                          LMSP_WORKER_ID=worker_id, **env)
         deadline = time.time() + timeout
         while time.time() < deadline:
+            text = log.read_bytes()[start:].decode(errors="replace")
             if proc.poll() is not None:
-                raise RuntimeError(f"worker {worker_id} exited:\n{log.read_text()[-4000:]}")
-            if " ready." in log.read_text(errors="replace"):
-                return
+                raise RuntimeError(f"worker {worker_id} exited:\n{text[-4000:]}")
+            if " ready." in text:
+                return proc
             time.sleep(0.5)
-        raise TimeoutError(f"worker {worker_id} not ready:\n{log.read_text()[-4000:]}")
+        raise TimeoutError(f"worker {worker_id} not ready:\n{text[-4000:]}")
 
     def start_api(self, workers: int = 1, threads: int = 64) -> str:
         port = free_port()
@@ -173,13 +171,17 @@ class Client:
 
 
 def parse_sse(lines) -> list[tuple[int | None, str, dict]]:
-    out, seq, name, data = [], None, None, None
+    return list(iter_sse(lines))
+
+
+def iter_sse(lines):
+    seq, name, data = None, None, None
     for line in lines:
         if line is None:
             continue
         if line == "":
             if name is not None:
-                out.append((seq, name, json.loads(data)))
+                yield seq, name, json.loads(data)
             seq, name, data = None, None, None
         elif line.startswith(":"):
             continue
@@ -189,7 +191,6 @@ def parse_sse(lines) -> list[tuple[int | None, str, dict]]:
             name = line[7:]
         elif line.startswith("data: "):
             data = line[6:]
-    return out
 
 
 def user(text: str) -> list[dict]:

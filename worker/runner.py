@@ -123,11 +123,13 @@ class Job:
         self.finish(status, emitted, builder.items, usage, error)
 
     def _mark_running(self) -> bool:
+        """loading -> running at the first token; False when a cancel got there first."""
         def attempt():
             with self.ctx.sessions() as session:
                 won = transition(session, self.task.id, RUNNING, only_from=[LOADING])
                 session.commit()
-            return won
+                # A recovered task may already be running: that is ours to continue.
+                return won or session.get(Task, self.task.id).status == RUNNING
         return retrying(attempt, log=log)
 
     # -- the one final event ----------------------------------------------------------------

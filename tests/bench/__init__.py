@@ -1,0 +1,31 @@
+"""``python -m tests.bench``: the service measured against the bare engine, side by side, in one run.
+
+Figures (see ``__main__`` for the order they run in):
+
+* B1 throughput efficiency: 64 concurrent tasks of 128 tokens through the whole service
+  (POST /tasks -> Celery -> worker -> Postgres, polled with GET /tasks/{id}) / the same
+  prompts sent to one ``worker.engine.EngineHost`` in this process.
+* B2 first-token overhead: streaming POST /responses time to the first text delta minus
+  the engine's time to first text, p50 and p95 over 30 sequential requests.
+* B3 acceptance rate: POST /tasks per second / GET /lmsp/v1 per second, 32 client
+  threads, gunicorn as ``lmsp serve`` runs it, for a model no worker serves.
+* B4 fan-out: 200 SSE followers of one running task; p99 lag from an event's
+  ``events.created_at`` to its arrival.
+* B5 replay: events/s of GET /tasks/{id}/events over a 100,000-event log / rows/s of a
+  plain SELECT of the same rows.
+* B6 interactive under load: time to first token of a streaming POST /responses with 200
+  tasks queued / the same with an idle queue.
+
+Knobs (environment): ``LMSP_BENCH_REPS`` (default 3), ``LMSP_BENCH_OUT`` (default
+``bench-results.json`` at the repository root), ``LMSP_BENCH_ONLY`` (comma-separated
+figure ids, e.g. ``B3,B5``; default all).
+"""
+
+import os
+
+REPS = max(1, int(os.environ.get("LMSP_BENCH_REPS", "3")))
+ONLY = {s.strip().upper() for s in os.environ.get("LMSP_BENCH_ONLY", "").split(",") if s.strip()}
+
+
+def enabled(figure: str) -> bool:
+    return not ONLY or figure in ONLY

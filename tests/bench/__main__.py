@@ -1,0 +1,455 @@
+"""Run every figure once, side by side, and print one table (see ``tests/bench/__init__``)."""
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+from tests.bench import REPS, enabled
+from tests.bench.util import (
+    descendants,
+    essay_prompt,
+    log,
+    median,
+    percentile,
+    proc_name,
+    vm_hwm_mib,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(os.environ.get("LMSP_BENCH_OUT", ROOT / "bench-results.json"))
+
+# Workload constants (the figures' definitions).
+B1_TASKS, B1_TOKENS = 64, 128
+B2_REQUESTS, B2_TOKENS = 30, 8
+B2_PROMPT = "Say hello in one sentence."
+B3_THREADS, B3_SECONDS = 32, float(os.environ.get("LMSP_BENCH_B3_SECONDS", "4"))
+B4_CLIENTS, B4_TOKENS = 200, 128
+B5_EVENTS = 100_000
+B6_QUEUED, B6_LOAD_TOKENS = 200, 128
+KV_CACHE_GIB = 2
+ENGINE_ARGS = {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 64, "enforce_eager": True}
+# Production settings for every process (tests.harness.Stack sets short test leases).
+PRODUCTION_ENV = {"LMSP_LEASE_SECONDS": "30", "LMSP_HEARTBEAT_SECONDS": "5", "LMSP_SWEEP_SECONDS": "10",
+                  "LMSP_REQUEUE_AFTER_SECONDS": "60"}
+# The bench submits thousands of tasks from one principal: lift the per-principal limits.
+LIMITS_ENV = {"LMSP_MAX_QUEUED_TASKS_PER_PRINCIPAL": "10000000", "LMSP_MAX_QUEUE_DEPTH": "10000000",
+              "LMSP_RATE_LIMIT_PER_SECOND": "1000000", "LMSP_RATE_LIMIT_BURST": "1000000"}
+
+
+class Table:
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def add(self, fid, name, service, baseline, value, goal, ok, unit="", details=None, na=None):
+        self.rows.append({"id": fid, "figure": name, "service": service, "baseline": baseline,
+                          "value": value, "unit": unit, "goal": goal,
+                          "status": "n/a" if na else ("-" if ok is None else ("PASS" if ok else "FAIL")),
+                          "na_reason": na, "details": details or {}})
+
+    def na(self, fid, name, goal, reason):
+        log(f"{fid}: n/a: {reason}")
+        self.add(fid, name, "n/a", "n/a", None, goal, None, na=reason)
+
+    def render(self) -> str:
+        head = ["ID", "Figure", "Service", "Baseline", "Result", "Goal", "Status"]
+        lines = []
+        for r in self.rows:
+            if r["na_reason"]:
+                result = "n/a"
+            elif isinstance(r["value"], float):
+                result = f"{r['value']:.3g}{r['unit']}" if abs(r["value"]) < 1000 else f"{r['value']:.0f}{r['unit']}"
+            else:
+                result = f"{r['value']}{r['unit']}"
+            lines.append([r["id"], r["figure"], str(r["service"]), str(r["baseline"]), result, r["goal"],
+                          r["status"]])
+        widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
+        fmt = " | ".join(f"{{:<{w}}}" for w in widths)
+        out = [fmt.format(*head), "-+-".join("-" * w for w in widths)]
+        out += [fmt.format(*row) for row in lines]
+        notes = [f"  {r['id']}: n/a because {r['na_reason']}" for r in self.rows if r["na_reason"]]
+        return "\n".join(out + notes)
+
+
+def fmt_ms(x):
+    return "n/a" if x is None else f"{1000 * x:.1f} ms"
+
+
+def main() -> None:
+    from common.cli import _gunicorn_argv
+    from common.db import make_engine, session_factory, upgrade
+    from common.settings import Settings
+    from tests.bench import service as svc
+    from tests.harness import REDIS_URL, Stack, create_database, drop_database, free_port, model_entry
+
+    started = time.monotonic()
+    table = Table()
+    tag = uuid.uuid4().hex[:6]
+    served, parked = f"smollm2:bench{tag}", f"smollm2:park{tag}"
+    tmp = Path(tempfile.mkdtemp(prefix="lmsp-bench-"))
+    log(f"reps={REPS}; logs in {tmp}")
+    db_url = create_database("lmsp_bench")
+    stack = engine_side = None
+    meta: dict = {"reps": REPS, "served_model": served, "parked_model": parked, "logs": str(tmp)}
+    try:
+        upgrade(db_url)
+        entry = model_entry(served, engine=dict(ENGINE_ARGS), kv_cache_gib=KV_CACHE_GIB)
+        stack = Stack(tmp, db_url, redis=True, models=[
+            entry, model_entry(parked, engine=dict(ENGINE_ARGS), kv_cache_gib=KV_CACHE_GIB, queue_depth=10**7)])
+        stack.env.update(PRODUCTION_ENV)
+        stack.env.update(LIMITS_ENV)
+        db = make_engine(db_url, pool_size=4, max_overflow=8)
+        sessions = session_factory(db)
+        token = stack.token("bench")
+        b3_token = stack.token("bench-b3")
+
+        # The api exactly as `lmsp serve` runs it (2 workers x 64 threads, gthread).
+        prod = Settings(host="127.0.0.1", port=free_port())
+        meta["api"] = f"gunicorn gthread {prod.api_workers} workers x {prod.api_threads} threads"
+        api_proc = stack.spawn(_gunicorn_argv(prod), "api-prod.log")
+        base = f"http://127.0.0.1:{prod.port}"
+        wait_http(base + "/healthz", tmp / "api-prod.log")
+        log(f"api up at {base} ({meta['api']})")
+        run = svc.Run(stack=stack, db_url=db_url, sessions=sessions, api=base, api_proc=api_proc, token=token,
+                      principal="bench", served=served, parked=parked, b3_token=b3_token, b3_principal="bench-b3")
+
+        # ---- phase 1: no engine anywhere: the api alone -------------------------------------------------
+        if enabled("B3"):
+            guarded(table, "B3", "acceptance rate (POST /tasks ÷ GET /lmsp/v1)", ">= 0.5", lambda: b3(run, table))
+        if enabled("B5"):
+            guarded(table, "B5", "replay 100k events (endpoint ÷ SELECT)", ">= 0.5", lambda: b5(run, table))
+
+        # ---- phase 2: the engine alone, in this process -------------------------------------------------------
+        engine_results: dict = {}
+        if enabled("B1") or enabled("B2"):
+            from tests.bench.engine_side import EngineSide
+            log("engine-alone: loading EngineHost in the bench process")
+            try:
+                engine_side = EngineSide(entry["checkpoint"], dict(ENGINE_ARGS), KV_CACHE_GIB)
+                engine_results = engine_phase(engine_side)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                engine_results = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                if engine_side is not None:
+                    engine_side.shutdown()
+                    engine_side = None
+                    log("engine-alone: shut down")
+
+        # ---- phase 3: the whole service ------------------------------------------------------------------------------
+        if any(enabled(f) for f in ("B1", "B2", "B4", "B6")):
+            log("service: starting the worker (loads its engine)")
+            try:
+                t = time.monotonic()
+                run.worker_proc = stack.start_worker(served, f"bench-{tag}")
+                log(f"service: worker ready in {time.monotonic() - t:.0f}s")
+            except Exception as exc:  # noqa: BLE001
+                reason = f"the worker did not start: {exc}"[:300]
+                for fid in ("B1", "B2", "B4", "B6"):
+                    if enabled(fid):
+                        table.na(fid, fid, "-", reason)
+            if run.worker_proc is not None:
+                service_warmup(run)
+                if enabled("B1"):
+                    guarded(table, "B1", "throughput efficiency (64 tasks x 128 tok)", ">= 0.90",
+                            lambda: b1(run, table, engine_results))
+                if enabled("B2"):
+                    guarded(table, "B2", "first-token overhead", "p50 <= 30 ms",
+                            lambda: b2(run, table, engine_results))
+                if enabled("B4"):
+                    guarded(table, "B4", f"fan-out {B4_CLIENTS} SSE followers, p99 lag", "<= 100 ms",
+                            lambda: b4(run, table))
+                if enabled("B6"):
+                    guarded(table, "B6", f"interactive TTFT, {B6_QUEUED} queued ÷ idle", "<= 3",
+                            lambda: b6(run, table))
+        memory(run, table)
+    finally:
+        if engine_side is not None:
+            engine_side.shutdown()
+        if stack is not None:
+            log("stopping processes")
+            stack.close()
+        cleanup_redis(REDIS_URL, [served, parked])
+        drop_database(db_url)
+    meta["runtime_s"] = round(time.monotonic() - started, 1)
+    print(table.render())
+    print(f"runtime {meta['runtime_s']:.0f} s, reps {REPS}; {meta.get('api', '')}")
+    OUT.write_text(json.dumps({"meta": meta, "figures": table.rows}, indent=1, default=str))
+    log(f"wrote {OUT}")
+
+
+def wait_http(url: str, logfile: Path, timeout: float = 60) -> None:
+    import requests
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if requests.get(url, timeout=1).ok:
+                return
+        except requests.RequestException:  # refused, or accepted while the workers still boot
+            time.sleep(0.2)
+    raise TimeoutError(logfile.read_text()[-3000:])
+
+
+def start_api(stack, log_name: str, workers: int, threads: int) -> str:
+    """Like tests.harness.Stack.start_api (same argv), with a wait that survives slow boots."""
+    from tests.harness import free_port
+    port = free_port()
+    stack.spawn([sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", str(workers), "--threads",
+                 str(threads), "-b", f"127.0.0.1:{port}", "--timeout", "120", "api.wsgi:app"], log_name)
+    base = f"http://127.0.0.1:{port}"
+    wait_http(base + "/healthz", stack.tmp / log_name)
+    return base
+
+
+def guarded(table: Table, fid: str, name: str, goal: str, fn) -> None:
+    log(f"{fid}: {name}")
+    t = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - one broken figure must not hide the others
+        traceback.print_exc()
+        table.na(fid, name, goal, f"{type(exc).__name__}: {exc}"[:300])
+    log(f"{fid}: done in {time.monotonic() - t:.0f}s")
+
+
+# -- phase 2 ----------------------------------------------------------------------------------------------------------
+def engine_phase(engine) -> dict:
+    prompts = [engine.render(essay_prompt(i)) for i in range(B1_TASKS)]
+    out: dict = {}
+    if enabled("B1"):
+        log("engine-alone: warm-up batch")
+        engine.batch(prompts, 4)
+        rounds = []
+        for rep in range(REPS):
+            r = engine.batch(prompts, B1_TOKENS)
+            log(f"engine-alone B1 rep {rep + 1}/{REPS}: {r['tokens']} tokens in {r['elapsed']:.1f}s "
+                f"= {r['tokens_per_s']:.1f} tok/s")
+            rounds.append(r)
+        out["b1"] = rounds
+    if enabled("B2"):
+        prompt = engine.render(B2_PROMPT)
+        for _ in range(3):
+            engine.one(prompt, B2_TOKENS)
+        samples = [engine.one(prompt, B2_TOKENS) for _ in range(B2_REQUESTS)]
+        out["b2"] = samples
+        log(f"engine-alone B2: first token p50 {fmt_ms(percentile([s['first_token'] for s in samples], 50))}, "
+            f"first text p50 {fmt_ms(percentile([s['first_text'] for s in samples], 50))}")
+    return out
+
+
+# -- phase 3 --------------------------------------------------------------------------------------------------------------
+def service_warmup(run) -> None:
+    from tests.bench import service as svc
+    log("service: warm-up (64 short tasks, 3 streams)")
+    svc.tasks_round(run, [essay_prompt(i) for i in range(B1_TASKS)], 4)
+    for _ in range(3):
+        svc.stream_ttft(run, B2_PROMPT, B2_TOKENS)
+
+
+def b1(run, table: Table, engine_results: dict) -> None:
+    from tests.bench import service as svc
+    name, goal = "throughput efficiency (64 tasks x 128 tok)", ">= 0.90"
+    if "b1" not in engine_results:
+        table.na("B1", name, goal, f"no engine-alone baseline: {engine_results.get('error', 'not run')}")
+        return
+    rounds = []
+    for rep in range(REPS):
+        r = svc.tasks_round(run, [essay_prompt(i) for i in range(B1_TASKS)], B1_TOKENS)
+        log(f"service B1 rep {rep + 1}/{REPS}: {r['tokens']} tokens in {r['elapsed']:.1f}s = "
+            f"{r['tokens_per_s']:.1f} tok/s (accepted in {r['accepted_s']:.2f}s, "
+            f"last ended_at {r['db_makespan_s']:.1f}s)")
+        rounds.append(r)
+    eng = engine_results["b1"]
+    s_rate, e_rate = median([r["tokens_per_s"] for r in rounds]), median([r["tokens_per_s"] for r in eng])
+    same = sum(a == b for a, b in zip(rounds[0]["texts"], eng[0]["texts"], strict=True))
+    ratio = s_rate / e_rate
+    table.add("B1", name, f"{s_rate:.1f} tok/s", f"{e_rate:.1f} tok/s", ratio, goal, ratio >= 0.90, details={
+        "service": [{k: v for k, v in r.items() if k != "texts"} for r in rounds],
+        "engine": [{k: v for k, v in r.items() if k != "texts"} for r in eng],
+        "identical_outputs": f"{same}/{B1_TASKS}",
+        "tokens_per_request_service": sorted({len(t) for t in rounds[0]["texts"]})[:3]})
+
+
+def b2(run, table: Table, engine_results: dict) -> None:
+    from tests.bench import service as svc
+    name, goal = "first-token overhead", "p50 <= 30 ms"
+    if "b2" not in engine_results:
+        table.na("B2", name, goal, f"no engine-alone baseline: {engine_results.get('error', 'not run')}")
+        return
+    samples = [svc.stream_ttft(run, B2_PROMPT, B2_TOKENS) for _ in range(B2_REQUESTS)]
+    missing = [s for s in samples if s["ttft"] is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} streams had no text delta: {missing[0]}")
+    s_t = [s["ttft"] for s in samples]
+    eng = engine_results["b2"]
+    e_t = [s["first_text"] for s in eng]
+    e_tok = [s["first_token"] for s in eng]
+    p50 = percentile(s_t, 50) - percentile(e_t, 50)
+    p95 = percentile(s_t, 95) - percentile(e_t, 95)
+    same = samples[0]["text"] == eng[0]["text"]
+    details = {"service_ttft_ms": [round(1000 * x, 1) for x in s_t],
+               "engine_first_text_ms": [round(1000 * x, 1) for x in e_t],
+               "engine_first_token_ms": [round(1000 * x, 1) for x in e_tok],
+               "same_text": same, "service_text": samples[0]["text"], "engine_text": eng[0]["text"]}
+    table.add("B2", f"{name} p50", f"{fmt_ms(percentile(s_t, 50))}", f"{fmt_ms(percentile(e_t, 50))}",
+              1000 * p50, goal, 1000 * p50 <= 30, unit=" ms", details=details)
+    table.add("B2", f"{name} p95", f"{fmt_ms(percentile(s_t, 95))}", f"{fmt_ms(percentile(e_t, 95))}",
+              1000 * p95, "(info)", None, unit=" ms")
+
+
+def b3(run, table: Table) -> None:
+    from tests.bench import service as svc
+    pids = svc.api_workers(run)
+    body = {"type": "response", "input": {"model": run.parked, "input": svc.user("Write a haiku about rain."),
+                                          "max_output_tokens": 16}}
+    trivial = lambda s: svc.hammer(run.api, "GET", "/lmsp/v1", run.b3_token, None, s, B3_THREADS, 200, pids)  # noqa: E731
+    accept = lambda s: svc.hammer(run.api, "POST", "/lmsp/v1/tasks", run.b3_token, body, s, B3_THREADS, 202,  # noqa: E731
+                                  pids)
+    trivial(1.0)
+    accept(1.0)  # warm-up: connections, tokenizer, pools
+    t_rounds, a_rounds = [], []
+    for rep in range(REPS):
+        t_rounds.append(trivial(B3_SECONDS))
+        a_rounds.append(accept(B3_SECONDS))
+        log(f"B3 rep {rep + 1}/{REPS}: GET /lmsp/v1 {t_rounds[-1]['rate']:.0f}/s "
+            f"({t_rounds[-1]['api_cpu_ms_per_req']:.1f} ms api CPU/req), POST /tasks {a_rounds[-1]['rate']:.0f}/s "
+            f"({a_rounds[-1]['api_cpu_ms_per_req'] or 0:.1f} ms api CPU/req), errors {a_rounds[-1]['errors']}")
+    errors = [r["errors"] for r in a_rounds + t_rounds if r["errors"]]
+    a, t = median([r["rate"] for r in a_rounds]), median([r["rate"] for r in t_rounds])
+    if not a:
+        raise RuntimeError(f"no task was accepted: {a_rounds[0]['errors']} {a_rounds[0]['error_samples']}")
+    ratio = a / t
+    table.add("B3", "acceptance rate (POST /tasks ÷ GET /lmsp/v1)", f"{a:.0f} req/s", f"{t:.0f} req/s", ratio,
+              ">= 0.5", ratio >= 0.5 and not errors, details={"accept": a_rounds, "trivial": t_rounds,
+                                                              "errors": errors})
+
+
+def b5(run, table: Table) -> None:
+    from tests.bench import service as svc
+    log(f"B5: writing {B5_EVENTS} events")
+    made = svc.make_long_log(run, B5_EVENTS)
+    svc.select_once(run, made["response_id"])  # warm the cache for both sides
+    svc.replay_once(run, made["task_id"])
+    reps_r, reps_s = [], []
+    for rep in range(REPS):
+        r = svc.replay_once(run, made["task_id"])
+        s = svc.select_once(run, made["response_id"])
+        if r["events"] != B5_EVENTS or s["rows"] != B5_EVENTS:
+            raise RuntimeError(f"replayed {r['events']} events, selected {s['rows']} rows, expected {B5_EVENTS}")
+        reps_r.append(r)
+        reps_s.append(s)
+        log(f"B5 rep {rep + 1}/{REPS}: endpoint {r['rate']:.0f} events/s ({r['elapsed']:.2f}s), "
+            f"SELECT {s['rate']:.0f} rows/s ({s['elapsed']:.2f}s)")
+    r, s = median([x["rate"] for x in reps_r]), median([x["rate"] for x in reps_s])
+    ratio = r / s
+    table.add("B5", "replay 100k events (endpoint ÷ SELECT)", f"{r:.0f} ev/s", f"{s:.0f} rows/s", ratio, ">= 0.5",
+              ratio >= 0.5, details={"endpoint": reps_r, "select": reps_s})
+
+
+def b4(run, table: Table) -> None:
+    from tests.bench import service as svc
+    # Production config first; then an api sized with a thread per follower, to tell the
+    # fan-out path's own latency apart from waiting for a free gunicorn thread.
+    sized_base = start_api(run.stack, "api-sized.log", workers=2, threads=256)
+    for fid, base, label in (("B4", run.api, "production api 2x64"), ("B4b", sized_base, "api 2x256 threads")):
+        reps = []
+        for rep in range(REPS):
+            r = svc.fan_out(run, base, B4_CLIENTS, B4_TOKENS, essay_prompt(rep + 7))
+            log(f"{fid} rep {rep + 1}/{REPS} ({label}): {r['events']} events, {r['complete']}/{r['clients']} "
+                f"complete, stalled>1s {r['stalled_over_1s']}, lag p50 {r['p50_ms']:.1f} ms, "
+                f"p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms ({r['samples']} live samples)"
+                if r["p99_ms"] is not None else f"{fid} rep {rep + 1}: {r}")
+            reps.append(r)
+        p99 = median([r["p99_ms"] for r in reps])
+        complete = min(r["complete"] for r in reps)
+        ok = p99 is not None and p99 <= 100 and complete == B4_CLIENTS
+        table.add(fid, f"fan-out {B4_CLIENTS} SSE followers, p99 lag ({label})",
+                  f"p99 {p99:.0f} ms, p50 {median([r['p50_ms'] for r in reps]):.0f} ms",
+                  f"{complete}/{B4_CLIENTS} complete, {max(r['stalled_over_1s'] for r in reps)} stalled>1s",
+                  p99, "<= 100 ms" if fid == "B4" else "(info)", ok if fid == "B4" else None,
+                  unit=" ms", details={"reps": reps})
+
+
+def b6(run, table: Table) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.bench import service as svc
+    idle = [svc.stream_ttft(run, B2_PROMPT, B2_TOKENS)["ttft"] for _ in range(max(REPS, 5))]
+    log(f"B6 idle TTFT: {[round(1000 * x) for x in idle]} ms")
+    loaded, queued_at = [], []
+    n = 0
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            def top_up():
+                nonlocal n
+                missing = B6_QUEUED - svc.count_status(run, run.served, ("queued",))
+                if missing > 0:
+                    texts = [essay_prompt(n + i) for i in range(missing)]
+                    n += missing
+                    list(pool.map(lambda t: svc.submit_task(run.api, run.token, run.served, t, B6_LOAD_TOKENS),
+                                  texts))
+            top_up()
+            deadline = time.monotonic() + 60
+            while svc.count_status(run, run.served, ("running",)) < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for rep in range(REPS):
+                top_up()
+                queued = svc.count_status(run, run.served, ("queued",))
+                running = svc.count_status(run, run.served, ("loading", "running"))
+                r = svc.stream_ttft(run, B2_PROMPT, B2_TOKENS)
+                loaded.append(r["ttft"])
+                queued_at.append({"queued": queued, "running": running})
+                log(f"B6 rep {rep + 1}/{REPS}: TTFT {fmt_ms(r['ttft'])} with {queued} queued, {running} running")
+    finally:
+        cancelled = svc.cancel_unfinished(run, run.served)
+        log(f"B6: cancelled {cancelled} load tasks")
+        svc.wait_idle(run, run.served, 120)
+    i, ld = median(idle), median(loaded)
+    ratio = ld / i
+    table.add("B6", f"interactive TTFT, {B6_QUEUED} queued ÷ idle", fmt_ms(ld), fmt_ms(i), ratio, "<= 3",
+              ratio <= 3, details={"idle_ms": [1000 * x for x in idle], "loaded_ms": [1000 * x for x in loaded],
+                                   "queue": queued_at})
+
+
+def memory(run, table: Table) -> None:
+    api_pids = [p for p in descendants(run.api_proc.pid)]
+    peaks = {p: vm_hwm_mib(p) for p in api_pids}
+    peaks = {p: v for p, v in peaks.items() if v is not None}
+    master = vm_hwm_mib(run.api_proc.pid)
+    if peaks:
+        table.add("M1", "api gunicorn workers peak RSS (VmHWM, each)",
+                  ", ".join(f"{v:.0f}" for v in peaks.values()) + " MiB", f"master {master:.0f} MiB",
+                  max(peaks.values()), "(info)", None, unit=" MiB", details={"pids": peaks})
+    if run.worker_proc is not None and run.worker_proc.poll() is None:
+        main = vm_hwm_mib(run.worker_proc.pid)
+        kids = {p: (proc_name(p), vm_hwm_mib(p)) for p in descendants(run.worker_proc.pid)}
+        engine = ", ".join(f"{n.split()[0]} {v:.0f} MiB" for n, v in kids.values() if v is not None)
+        table.add("M2", "worker main process peak RSS (without engine children)", f"{main:.0f} MiB",
+                  engine or "-", main, "(info)", None, unit=" MiB", details={"children": kids})
+    else:
+        table.add("M2", "worker main process peak RSS", "n/a", "n/a", None, "(info)", None,
+                  na="the worker was not running")
+
+
+def cleanup_redis(url: str, models: list[str]) -> None:
+    import redis
+
+    from common.registry import queue_name
+    try:
+        client = redis.Redis.from_url(url)
+        for model in models:
+            q = queue_name(model)
+            client.delete(q, *(f"{q}:{i}" for i in range(1, 10)), f"_kombu.binding.{q}")
+    except redis.RedisError as exc:
+        log(f"could not clean Redis: {exc}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,357 @@
+"""The service side of every figure: real gunicorn api, real Celery worker, Postgres, Redis."""
+
+import http.client
+import io
+import json
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import psycopg
+import requests
+from sqlalchemy import select, update
+
+from common.tables import Event, Response, Task
+from tests import factories
+from tests.bench.util import HTTPError, RawStream, children, cpu_seconds, percentile, user
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+@dataclass
+class Run:
+    """Everything the figures share."""
+    stack: object            # tests.harness.Stack
+    db_url: str
+    sessions: object         # sqlalchemy sessionmaker on db_url
+    api: str                 # base URL of the production-configured api
+    api_proc: object
+    token: str               # principal "bench"
+    principal: str
+    served: str              # model id the worker serves
+    parked: str              # model id no worker serves (B3)
+    b3_token: str
+    b3_principal: str
+    worker_proc: object = None
+    notes: list = field(default_factory=list)
+
+
+_local = threading.local()
+
+
+def session_for(token: str) -> requests.Session:
+    s = getattr(_local, "sessions", None)
+    if s is None:
+        s = _local.sessions = {}
+    if token not in s:
+        s[token] = requests.Session()
+        s[token].headers["Authorization"] = f"Bearer {token}"
+    return s[token]
+
+
+def submit_task(base: str, token: str, model: str, text: str, max_tokens: int) -> dict:
+    body = {"type": "response",
+            "input": {"model": model, "input": user(text), "max_output_tokens": max_tokens, "temperature": 0}}
+    r = session_for(token).post(base + "/lmsp/v1/tasks", json=body, timeout=120)
+    if r.status_code != 202:
+        raise HTTPError(r.status_code, r.content)
+    return r.json()
+
+
+def get_task(base: str, token: str, task_id: str) -> dict:
+    r = session_for(token).get(f"{base}/lmsp/v1/tasks/{task_id}", timeout=120)
+    if r.status_code != 200:
+        raise HTTPError(r.status_code, r.content)
+    return r.json()
+
+
+def cancel_task(base: str, token: str, task_id: str) -> None:
+    session_for(token).post(f"{base}/lmsp/v1/tasks/{task_id}/cancel", timeout=120)
+
+
+def output_text(response: dict) -> str:
+    return "".join(part.get("text", "") for item in response.get("output") or []
+                   if item.get("type") == "message" for part in item.get("content") or [])
+
+
+# -- B1: tasks through the whole service -------------------------------------------------------------
+def tasks_round(run: Run, texts: list[str], max_tokens: int) -> dict:
+    """Submit all tasks concurrently, poll GET /tasks/{id} to completion.
+
+    Polling stays light so it does not steal the engine's CPU: one task (the oldest
+    unfinished) is polled every 0.1 s; when it is done, every other unfinished task is
+    polled once (in parallel), and so on. The last task is seen done within ~0.1 s.
+    """
+    with ThreadPoolExecutor(16) as pool:
+        start, wall0 = time.perf_counter(), time.time()
+        tasks = list(pool.map(lambda t: submit_task(run.api, run.token, run.served, t, max_tokens), texts))
+        accepted = time.perf_counter() - start
+        pending = [t["id"] for t in tasks]
+        done: dict[str, dict] = {}
+        while pending:
+            head = get_task(run.api, run.token, pending[0])
+            if head["status"] not in TERMINAL:
+                time.sleep(0.1)
+                continue
+            done[head["id"]] = head
+            rest = list(pool.map(lambda tid: get_task(run.api, run.token, tid), pending[1:]))
+            for task in rest:
+                if task["status"] in TERMINAL:
+                    done[task["id"]] = task
+            pending = [t["id"] for t in rest if t["status"] not in TERMINAL]
+        elapsed = time.perf_counter() - start
+    bad = [t for t in done.values() if t["status"] != "succeeded"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} tasks did not succeed, e.g. {bad[0]}")
+    ordered = [done[t["id"]] for t in tasks]
+    tokens = sum(t["response"]["usage"]["output_tokens"] for t in ordered)
+    with run.sessions() as session:
+        ended = session.execute(select(Task.ended_at).where(Task.id.in_([t["id"] for t in tasks]))).scalars()
+        db_makespan = max(ended) - wall0
+    return {"elapsed": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed, "accepted_s": accepted,
+            "db_makespan_s": db_makespan, "texts": [output_text(t["response"]) for t in ordered]}
+
+
+# -- B2 / B6: a streaming POST /responses --------------------------------------------------------------
+def stream_ttft(run: Run, text: str, max_tokens: int, base: str | None = None) -> dict:
+    """Seconds from sending the request to the first response.output_text.delta; reads to the end."""
+    body = {"model": run.served, "input": user(text), "max_output_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    s = RawStream(base or run.api, "POST", "/lmsp/v1/responses", run.token, body, timeout=600)
+    first, final, deltas = None, None, ""
+    for t, _seq, name, data in s.events():
+        if name == "response.output_text.delta":
+            if first is None:
+                first = t - s.sent_at
+            deltas += json.loads(data)["delta"]
+        elif name.startswith("response.") and name.split(".", 1)[1] in (
+                "completed", "incomplete", "failed", "cancelled") or name == "error":
+            final = name
+    return {"ttft": first, "final": final, "text": deltas}
+
+
+# -- B3: acceptance rate ----------------------------------------------------------------------------------
+def hammer(base: str, method: str, path: str, token: str, body, seconds: float, threads: int,
+           expect: int, api_pids: list[int]) -> dict:
+    """``threads`` keep-alive clients send the same request back to back for ``seconds``."""
+    u = urlsplit(base)
+    payload = json.dumps(body).encode() if body is not None else None
+    headers = {"Authorization": f"Bearer {token}"}
+    if payload is not None:
+        headers["Content-Type"] = "application/json"
+    counts = [0] * threads
+    errors: Counter = Counter()
+    samples: list[bytes] = []
+    ends = [0.0] * threads
+    barrier = threading.Barrier(threads + 1)
+    box = {}
+
+    def client(i):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+        barrier.wait()
+        deadline = box["deadline"]
+        n = 0
+        while time.perf_counter() < deadline:
+            try:
+                conn.request(method, path, body=payload, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+            except (OSError, http.client.HTTPException) as exc:
+                errors[type(exc).__name__] += 1
+                conn.close()
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+                continue
+            if r.status == expect:
+                n += 1
+            else:
+                errors[r.status] += 1
+                if len(samples) < 3:
+                    samples.append(data[:300])
+            if r.will_close:
+                conn.close()
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+        ends[i] = time.perf_counter()
+        counts[i] = n
+        conn.close()
+
+    pool = [threading.Thread(target=client, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    cpu0 = sum(_cpu(p) for p in api_pids)
+    start = time.perf_counter()
+    box["deadline"] = start + seconds
+    barrier.wait()
+    for t in pool:
+        t.join()
+    elapsed = max(ends) - start
+    cpu = sum(_cpu(p) for p in api_pids) - cpu0
+    total = sum(counts)
+    return {"ok": total, "rate": total / elapsed, "elapsed": elapsed, "errors": dict(errors),
+            "error_samples": [s.decode(errors="replace") for s in samples],
+            "api_cpu_ms_per_req": 1000 * cpu / total if total else None}
+
+
+def _cpu(pid: int) -> float:
+    try:
+        return cpu_seconds(pid)
+    except OSError:
+        return 0.0
+
+
+def api_workers(run: Run, proc=None) -> list[int]:
+    return children((proc or run.api_proc).pid)
+
+
+# -- B4: fan-out ---------------------------------------------------------------------------------------------
+def fan_out(run: Run, base: str, clients: int, max_tokens: int, text: str) -> dict:
+    task = submit_task(base, run.token, run.served, text, max_tokens)
+    path = task["events_url"]
+    received: list[list[tuple[float, int]] | None] = [None] * clients
+    meta: list[dict] = [{} for _ in range(clients)]
+    errors: list[str] = []
+
+    def follower(i):
+        try:
+            s = RawStream(base, "GET", path, run.token, timeout=600)
+            meta[i] = {"sent": s.sent_at, "headers": s.headers_at}
+            got = []
+            for t, seq, _name, _data in s.events():
+                got.append((t, seq))
+            received[i] = got
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    threads = [threading.Thread(target=follower, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    with run.sessions() as session:
+        rows = session.execute(select(Event.seq, Event.created_at).where(
+            Event.response_id == task["response_id"]).order_by(Event.seq)).all()
+    created = dict(rows)
+    all_seqs = list(created)
+    lags, complete, stalled = [], 0, 0
+    for i in range(clients):
+        got = received[i]
+        if got is None:
+            continue
+        if [seq for _, seq in got] == all_seqs:
+            complete += 1
+        if meta[i]["headers"] - meta[i]["sent"] > 1.0:
+            stalled += 1
+        connected = meta[i]["sent"]
+        for t, seq in got:
+            # Live events only: those committed after this client asked; older ones are a replay.
+            if seq in created and created[seq] >= connected:
+                lags.append(t - created[seq])
+    final = get_task(base, run.token, task["id"])
+    return {"events": len(all_seqs), "clients": clients, "complete": complete, "stalled_over_1s": stalled,
+            "errors": errors[:3], "n_errors": len(errors), "samples": len(lags),
+            "p50_ms": _ms(percentile(lags, 50)), "p99_ms": _ms(percentile(lags, 99)),
+            "max_ms": _ms(max(lags) if lags else None), "task_status": final["status"]}
+
+
+def _ms(x):
+    return None if x is None else 1000 * x
+
+
+# -- B5: replay ---------------------------------------------------------------------------------------------
+def make_long_log(run: Run, n_events: int) -> dict:
+    """A finished task whose log holds ``n_events`` events, written straight into the table."""
+    with run.sessions() as session:
+        task = factories.task(session, "succeeded", owner=run.principal, model=run.served)
+        now = time.time()
+        session.execute(update(Task).where(Task.id == task.id).values(ended_at=now))
+        session.execute(update(Response).where(Response.id == task.response_id).values(status="completed"))
+        session.commit()
+        rid, task_id = task.response_id, task.id
+    msg_id = "msg_" + uuid.uuid4().hex[:26].upper()
+    words = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor".split()
+    n_deltas = n_events - 4
+    deltas = [" ".join(words[(i + k) % len(words)] for k in range(3)) + " " for i in range(n_deltas)]
+    text = "".join(deltas)
+    item = {"id": msg_id, "type": "message", "role": "assistant", "content": []}
+    done = {**item, "content": [{"type": "output_text", "text": text}]}
+    d = lambda obj: json.dumps(obj, separators=(",", ":"))  # noqa: E731
+    rows = [(1, "response.created", d({"response_id": rid, "status": "in_progress"})),
+            (2, "response.output_item.added", d({"response_id": rid, "output_index": 0, "item": item}))]
+    rows += [(3 + i, "response.output_text.delta",
+              d({"response_id": rid, "output_index": 0, "item_id": msg_id, "delta": delta}))
+             for i, delta in enumerate(deltas)]
+    rows += [(n_events - 1, "response.output_item.done", d({"response_id": rid, "output_index": 0, "item": done})),
+             (n_events, "response.completed",
+              d({"response_id": rid, "status": "completed",
+                 "usage": {"input_tokens": 10, "output_tokens": n_deltas, "total_tokens": n_deltas + 10}}))]
+    with psycopg.connect(pg_dsn(run.db_url)) as conn:
+        with conn.cursor() as cur, cur.copy(
+                "COPY events (response_id, seq, name, data, created_at) FROM STDIN") as copy:
+            t = now - 3600
+            for seq, name, data in rows:
+                copy.write_row((rid, seq, name, data, t + seq * 1e-3))
+        conn.commit()
+        conn.autocommit = True
+        conn.execute("VACUUM ANALYZE events")
+    return {"task_id": task_id, "response_id": rid, "events": n_events}
+
+
+def pg_dsn(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+def replay_once(run: Run, task_id: str) -> dict:
+    s = RawStream(run.api, "GET", f"/lmsp/v1/tasks/{task_id}/events", run.token, timeout=600)
+    n, last, bytes_ = 0, 0, 0
+    for _t, seq, _name, data in s.events():
+        n += 1
+        if seq != last + 1:
+            raise RuntimeError(f"replay out of order: {seq} after {last}")
+        last = seq
+        bytes_ += len(data)
+    elapsed = time.time() - s.sent_at
+    return {"events": n, "elapsed": elapsed, "rate": n / elapsed}
+
+
+def select_once(run: Run, response_id: str) -> dict:
+    with psycopg.connect(pg_dsn(run.db_url)) as conn:
+        start = time.perf_counter()
+        rows = conn.execute("SELECT seq, name, data FROM events WHERE response_id = %s ORDER BY seq",
+                            (response_id,)).fetchall()
+        elapsed = time.perf_counter() - start
+    return {"rows": len(rows), "elapsed": elapsed, "rate": len(rows) / elapsed}
+
+
+# -- B6 helpers --------------------------------------------------------------------------------------------
+def count_status(run: Run, model: str, statuses: tuple[str, ...]) -> int:
+    from sqlalchemy import func
+    with run.sessions() as session:
+        return session.execute(select(func.count()).select_from(Task).where(
+            Task.model == model, Task.status.in_(statuses))).scalar()
+
+
+def cancel_unfinished(run: Run, model: str) -> int:
+    with run.sessions() as session:
+        ids = list(session.execute(select(Task.id).where(
+            Task.model == model, Task.status.notin_(tuple(TERMINAL)), Task.principal_id == run.principal)).scalars())
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda tid: cancel_task(run.api, run.token, tid), ids))
+    return len(ids)
+
+
+def wait_idle(run: Run, model: str, timeout: float = 180) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if count_status(run, model, ("queued", "loading", "running", "cancelling")) == 0:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def dump(obj) -> str:
+    buf = io.StringIO()
+    json.dump(obj, buf, indent=1, default=str)
+    return buf.getvalue()

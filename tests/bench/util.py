@@ -1,0 +1,193 @@
+"""Small tools for the benchmark: progress, statistics, a lean HTTP/SSE client, /proc memory."""
+
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+T0 = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.monotonic() - T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# -- statistics ------------------------------------------------------------------------------
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def percentile(values, q: float):
+    """Linear interpolation between closest ranks (q in 0..100)."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    pos = (len(values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+# -- prompts ------------------------------------------------------------------------------------
+TOPICS = [
+    "the history of tea", "how bridges are built", "the water cycle", "volcanoes", "the printing press",
+    "honey bees", "the moon landing", "coral reefs", "the invention of paper", "glaciers",
+    "the Silk Road", "photosynthesis", "lighthouses", "the human heart", "desert plants",
+    "the Roman aqueducts", "thunderstorms", "the piano", "migratory birds", "the first computers",
+    "rainforests", "the Great Wall of China", "octopuses", "wind energy", "ancient Egypt",
+    "the Olympic Games", "chess", "the telescope", "salt", "the Amazon river",
+    "penguins", "the railway", "coffee", "earthquakes", "the alphabet",
+    "solar panels", "the Renaissance", "whales", "bread baking", "the compass",
+    "mountains", "the internet", "bicycles", "the ocean tides", "maps and mapmaking",
+    "the violin", "clouds", "the steam engine", "elephants", "recycling",
+    "the Moon", "gardening", "the postal service", "snowflakes", "libraries",
+    "the microscope", "wolves", "architecture of cathedrals", "rivers", "the calendar",
+    "clocks", "butterflies", "the Vikings", "wool and weaving",
+]
+
+
+def essay_prompt(i: int) -> str:
+    return f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}."
+
+
+def user(text: str) -> list[dict]:
+    return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
+
+
+# -- lean HTTP -------------------------------------------------------------------------------------
+class HTTPError(RuntimeError):
+    def __init__(self, status: int, body: bytes):
+        super().__init__(f"HTTP {status}: {body[:500]!r}")
+        self.status = status
+        self.body = body
+
+
+class RawStream:
+    """One HTTP/1.0 request on a raw socket (no chunked framing: the server closes at the end),
+    for reading SSE with as little client CPU (and GIL) as possible."""
+
+    def __init__(self, base: str, method: str, path: str, token: str, body=None, timeout: float = 600,
+                 headers: dict | None = None):
+        u = urlsplit(base)
+        self.sent_at = time.time()
+        self.sock = socket.create_connection((u.hostname, u.port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        data = json.dumps(body).encode() if body is not None else b""
+        lines = [f"{method} {path} HTTP/1.0", f"Host: {u.hostname}:{u.port}",
+                 f"Authorization: Bearer {token}", "Accept: text/event-stream"]
+        if body is not None:
+            lines += ["Content-Type: application/json", f"Content-Length: {len(data)}"]
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self.sent_at = time.time()
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + data)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"connection closed before headers: {buf[:300]!r}")
+            buf += chunk
+        self.headers_at = time.time()
+        head, _, self.rest = buf.partition(b"\r\n\r\n")
+        self.status = int(head.split(b" ", 2)[1])
+        if self.status != 200:
+            self.close_after_reading_error()
+
+    def close_after_reading_error(self):
+        body = self.rest
+        try:
+            while chunk := self.sock.recv(65536):
+                body += chunk
+        finally:
+            self.sock.close()
+        raise HTTPError(self.status, body)
+
+    def events(self):
+        """Yield (receive time, seq, event name, data bytes); comments (heartbeats) are skipped.
+        Events that arrive in one recv() share its receive time."""
+        buf, t = self.rest, self.headers_at
+        try:
+            while True:
+                if b"\n\n" in buf:
+                    parts = buf.split(b"\n\n")
+                    buf = parts.pop()
+                    for block in parts:
+                        seq, name, data = None, None, None
+                        for line in block.split(b"\n"):
+                            if line.startswith(b"id: "):
+                                seq = int(line[4:])
+                            elif line.startswith(b"event: "):
+                                name = line[7:].decode()
+                            elif line.startswith(b"data: "):
+                                data = line[6:]
+                        if name is not None:
+                            yield t, seq, name, data
+                chunk = self.sock.recv(1 << 18)
+                t = time.time()
+                if not chunk:
+                    return
+                buf += chunk
+        finally:
+            self.sock.close()
+
+    def close(self):
+        self.sock.close()
+
+
+# -- /proc --------------------------------------------------------------------------------------------
+def proc_status(pid: int) -> dict[str, str]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key] = value.strip()
+    return out
+
+
+def vm_hwm_mib(pid: int) -> float | None:
+    try:
+        return int(proc_status(pid)["VmHWM"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def proc_name(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return " ".join(c.decode(errors="replace") for c in cmd if c)[:80]
+    except OSError:
+        return "?"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

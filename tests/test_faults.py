@@ -1,0 +1,260 @@
+"""Crashes with real processes: SIGKILLed workers, Redis restarted empty, Postgres restarted, lost leases,
+duplicate deliveries. Every follower must see every sequence number exactly once, ending with one final event."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+from sqlalchemy import select
+
+from common.broker import BACKGROUND, dispatch, make_celery
+from common.db import make_engine, session_factory
+from common.registry import queue_name
+from common.settings import Settings
+from common.tables import Task
+from tests.harness import REDIS_URL, iter_sse, user
+
+FINALS = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
+ESSAY = "Write a very long, detailed essay about the history of {}."
+
+
+@pytest.fixture(scope="module")
+def sessions(pg_url):
+    engine = make_engine(pg_url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+class Follower(threading.Thread):
+    """Follows a task's events, dropping the connection every few events (and on any error) and
+    reconnecting with Last-Event-ID, the way a laptop on a flaky network would."""
+
+    def __init__(self, client, task, every=15):
+        super().__init__(daemon=True)
+        self.client, self.task, self.every = client, task, every
+        self.events: list[tuple[int, str, dict]] = []
+        self.reconnects = 0
+
+    def run(self):
+        last = 0
+        while True:
+            try:
+                with self.client.http.get(self.client.url(self.task["events_url"]), stream=True,
+                                          headers={"Last-Event-ID": str(last)}, timeout=(5, 30)) as resp:
+                    if resp.status_code != 200:
+                        raise requests.RequestException(resp.status_code)
+                    for n, event in enumerate(iter_sse(resp.iter_lines(decode_unicode=True)), 1):
+                        self.events.append(event)
+                        last = event[0]
+                        if event[1] in FINALS:
+                            return
+                        if n >= self.every:
+                            break
+            except requests.RequestException:
+                time.sleep(0.3)
+            self.reconnects += 1
+
+    def text(self) -> str:
+        return "".join(e[2]["delta"] for e in self.events if e[1] == "response.output_text.delta")
+
+    def deltas(self) -> int:
+        return sum(1 for e in self.events if e[1] == "response.output_text.delta")
+
+
+def check_exactly_once(events):
+    ids = [e[0] for e in events]
+    assert ids == list(range(1, len(ids) + 1)), ids
+    assert sum(1 for e in events if e[1] in FINALS) == 1 and events[-1][1] in FINALS
+
+
+def submit(client, model, text, on_restart="fail", max_tokens=300):
+    body = {"type": "response", "on_restart": on_restart,
+            "input": {"model": model, "input": user(text), "temperature": 0, "max_output_tokens": max_tokens}}
+    resp = client.post("/lmsp/v1/tasks", body)
+    assert resp.status_code == 202, resp.text
+    return resp.json()
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def engine_pids(tag: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (proc / "cmdline").read_bytes().startswith(b"VLLM::") and \
+                    f"LMSP_ENGINE_TAG={tag}".encode() in (proc / "environ").read_bytes().split(b"\0") and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def final_task(client, task_id, timeout=600):
+    wait_for(lambda: client.get(f"/lmsp/v1/tasks/{task_id}").json()["status"] in ("succeeded", "failed",
+                                                                                  "cancelled"),
+             timeout, f"task {task_id} never finished")
+    return client.get(f"/lmsp/v1/tasks/{task_id}").json()
+
+
+def test_sigkill_mid_generation_then_restart(stack, alice):
+    model, worker_id = stack.fault_model, "fault-w1"
+    proc = stack.start_worker(model, worker_id)
+    tasks = {policy: submit(alice, model, ESSAY.format(topic), policy)
+             for policy, topic in [("fail", "Rome"), ("retry", "Egypt"), ("resume", "China")]}
+    cancelling = submit(alice, model, ESSAY.format("Peru"), "resume")
+    followers = {p: Follower(alice, t) for p, t in tasks.items()}
+    for f in followers.values():
+        f.start()
+    wait_for(lambda: all(f.deltas() >= 12 for f in followers.values()), 300, "generation did not start")
+    wait_for(lambda: alice.get(f"/lmsp/v1/tasks/{cancelling['id']}").json()["status"] == "running", 60, "run")
+    os.kill(proc.pid, signal.SIGSTOP)  # freeze it so the cancel below cannot complete before the crash
+    assert alice.post(f"/lmsp/v1/tasks/{cancelling['id']}/cancel").json()["status"] == "cancelling"
+    before = {p: f.text() for p, f in followers.items()}
+    os.kill(proc.pid, signal.SIGKILL)  # the worker only: its engine is left behind, as in a real crash
+    proc.wait(30)
+    stale = engine_pids(worker_id)
+    assert stale, "expected the killed worker's engine to outlive it"
+
+    restarted = stack.start_worker(model, worker_id)  # same identity: applies on_restart at boot
+    assert not set(stale) & set(engine_pids(worker_id)), "the stale engine must be gone"
+    for f in followers.values():
+        f.join(600)
+        assert not f.is_alive()
+        check_exactly_once(f.events)
+
+    failed = final_task(alice, tasks["fail"]["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_restarted"
+    assert followers["fail"].events[-1][1] == "response.failed"
+    assert followers["fail"].events[-1][2]["error"]["code"] == "server_restarted"
+
+    retried = final_task(alice, tasks["retry"]["id"])
+    assert retried["status"] == "succeeded"
+    starts = [e for e in followers["retry"].events if e[1] == "response.output_item.added"]
+    assert len(starts) == 2 and starts[0][2]["item"]["id"] != starts[1][2]["item"]["id"]  # ran again, new items
+    assert retried["response"]["output"][0]["id"] == starts[1][2]["item"]["id"]
+
+    resumed = final_task(alice, tasks["resume"]["id"])
+    assert resumed["status"] == "succeeded"
+    text = resumed["response"]["output"][0]["content"][0]["text"]
+    assert before["resume"] and text.startswith(before["resume"])  # continues where it stopped
+    assert followers["resume"].text() == text
+    assert len([e for e in followers["resume"].events if e[1] == "response.output_item.added"]) == 1
+
+    cancelled = final_task(alice, cancelling["id"])  # cancelling at restart -> cancelled, whatever the policy
+    assert cancelled["status"] == "cancelled"
+    events = alice.sse(cancelling["events_url"])
+    check_exactly_once(events)
+    assert events[-1][1] == "response.cancelled"
+
+    stack.stop(restarted)  # a clean stop leaves no engine behind either
+    wait_for(lambda: engine_pids(worker_id) == [], 30, "engine processes outlived a clean stop")
+
+
+def restart_redis():
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.shutdown(nosave=True)
+    except redis.ConnectionError:
+        pass
+    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", "6379",
+                    "--save", "", "--appendonly", "no", "--dir", "/var/lib/redis",
+                    "--logfile", "/var/log/redis/ci.log"], check=True)
+    wait_for(lambda: _pings(client), 30, "redis did not come back")
+
+
+def _pings(client):
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+def test_redis_restarted_empty_loses_no_queued_task(stack, alice):
+    model = stack.fault_model
+    tasks = [submit(alice, model, f"Name a color, number {i}.", max_tokens=6) for i in range(20)]
+    restart_redis()
+    assert redis.Redis.from_url(REDIS_URL).llen(queue_name(model)) == 0  # the broker forgot them
+    worker = stack.start_worker(model, "fault-w2")
+    try:
+        for task in tasks:
+            assert final_task(alice, task["id"], timeout=300)["status"] == "succeeded"
+            events = alice.sse(task["events_url"])
+            check_exactly_once(events)
+    finally:
+        stack.stop(worker)
+
+
+def test_postgres_restart_while_tasks_run(stack, alice, model_id):
+    tasks = [submit(alice, model_id, ESSAY.format(t), "fail", max_tokens=250) for t in ("salt", "glass", "iron")]
+    followers = [Follower(alice, t, every=1000) for t in tasks]
+    for f in followers:
+        f.start()
+    wait_for(lambda: all(f.deltas() >= 5 for f in followers), 300, "generation did not start")
+    cluster = os.listdir("/etc/postgresql")[0]
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart"], check=True)
+    for f in followers:
+        f.join(600)
+        assert not f.is_alive()
+        check_exactly_once(f.events)
+    for task, f in zip(tasks, followers, strict=True):
+        final = final_task(alice, task["id"])
+        assert final["status"] == "succeeded", final
+        replay = alice.sse(task["events_url"])
+        assert [(e[0], e[1]) for e in replay] == [(e[0], e[1]) for e in f.events]
+        assert f.text() == final["response"]["output"][0]["content"][0]["text"]
+
+
+def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, model_id, sessions, worker):
+    second = stack.start_worker(model_id, "test-second")
+    settings = Settings(broker_url=REDIS_URL, home=stack.tmp / "home")
+    celery = make_celery(settings)
+    tasks = [submit(alice, model_id, f"Write two sentences about the number {i}.", max_tokens=40)
+             for i in range(12)]
+    wait_for(lambda: all(alice.get(f"/lmsp/v1/tasks/{t['id']}").json()["status"] != "queued" for t in tasks),
+             300, "not claimed")
+    for task in tasks:  # a broker redelivery of every message while the tasks run
+        dispatch(celery, queue_name(model_id), {"task_id": task["id"]}, BACKGROUND)
+    for task in tasks:
+        assert final_task(alice, task["id"])["status"] == "succeeded"
+        check_exactly_once(alice.sse(task["events_url"]))
+    with sessions() as session:
+        rows = session.execute(select(Task.worker_id, Task.attempt).where(
+            Task.id.in_([t["id"] for t in tasks]))).all()
+    assert {attempt for _, attempt in rows} == {1}  # nothing ran twice
+    owners = {w for w, _ in rows}
+    assert owners == {"test-second", f"test-{model_id}"}  # both workers took a share
+
+    # Lease expiry: the second worker dies for good; the first takes over its tasks.
+    long = [submit(alice, model_id, ESSAY.format(t), "resume", max_tokens=200) for t in ("tea", "silk", "jade",
+                                                                                          "wool")]
+    followers = [Follower(alice, t) for t in long]
+    for f in followers:
+        f.start()
+    wait_for(lambda: all(f.deltas() >= 5 for f in followers), 300, "generation did not start")
+    with sessions() as session:
+        orphaned = set(session.execute(select(Task.id).where(
+            Task.id.in_([t["id"] for t in long]), Task.worker_id == "test-second")).scalars())
+    stack.stop(second, sig=signal.SIGKILL)
+    for task, f in zip(long, followers, strict=True):
+        f.join(600)
+        check_exactly_once(f.events)
+        assert final_task(alice, task["id"])["status"] == "succeeded"
+    with sessions() as session:
+        owners = set(session.execute(select(Task.worker_id).where(Task.id.in_(orphaned))).scalars())
+    assert not orphaned or owners == {f"test-{model_id}"}
