@@ -119,12 +119,12 @@ class Stack:
                     str(threads), "-b", f"127.0.0.1:{port}", "--timeout", "120", "api.wsgi:app"],
                    f"api-{port}.log")
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while time.time() < deadline:
             try:
-                if requests.get(base + "/healthz", timeout=1).ok:
+                if requests.get(base + "/healthz", timeout=5).ok:
                     return base
-            except requests.ConnectionError:
+            except requests.RequestException:
                 time.sleep(0.2)
         raise TimeoutError((self.tmp / f"api-{port}.log").read_text()[-3000:])
 
