@@ -241,20 +241,29 @@ def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, m
     assert owners == {"test-second", f"test-{model_id}"}  # both workers took a share
 
     # Lease expiry: the second worker dies for good; the first takes over its tasks.
-    long = [submit(alice, model_id, ESSAY.format(t), "resume", max_tokens=200) for t in ("tea", "silk", "jade",
+    long = [submit(alice, model_id, ESSAY.format(t), "resume", max_tokens=600) for t in ("tea", "silk", "jade",
                                                                                           "wool")]
-    followers = [Follower(alice, t) for t in long]
-    for f in followers:
+    followers = {t["id"]: Follower(alice, t) for t in long}
+    for f in followers.values():
         f.start()
-    wait_for(lambda: all(f.deltas() >= 5 for f in followers), 300, "generation did not start")
+
+    def second_is_generating():
+        with sessions() as session:
+            mine = session.execute(select(Task.id).where(
+                Task.id.in_(list(followers)), Task.worker_id == "test-second", Task.status == "running")).scalars()
+            return [tid for tid in mine if followers[tid].deltas() >= 5]
+
+    wait_for(second_is_generating, 300, "the second worker did not take a task")
+    stack.stop(second, sig=signal.SIGKILL)
     with sessions() as session:
         orphaned = set(session.execute(select(Task.id).where(
-            Task.id.in_([t["id"] for t in long]), Task.worker_id == "test-second")).scalars())
-    stack.stop(second, sig=signal.SIGKILL)
-    for task, f in zip(long, followers, strict=True):
+            Task.id.in_(list(followers)), Task.worker_id == "test-second", Task.status == "running")).scalars())
+    assert orphaned
+    for task in long:
+        f = followers[task["id"]]
         f.join(600)
         check_exactly_once(f.events)
         assert final_task(alice, task["id"])["status"] == "succeeded"
     with sessions() as session:
         owners = set(session.execute(select(Task.worker_id).where(Task.id.in_(orphaned))).scalars())
-    assert not orphaned or owners == {f"test-{model_id}"}
+    assert owners == {f"test-{model_id}"}  # taken over after the lease expired

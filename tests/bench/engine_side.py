@@ -10,7 +10,7 @@ import time
 import uuid
 
 from common.protocol import ResponseRequest
-from tests.bench.util import log, user
+from tests.bench.util import descendants, log, proc_name, user
 
 
 class EngineSide:
@@ -72,6 +72,13 @@ class EngineSide:
         tokens = sum(r["tokens"] for r in results)
         return {"elapsed": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
                 "texts": [r["text"] for r in results]}
+
+    def pids(self) -> list[int]:
+        """The engine's processes (EngineCore and its Worker), for pausing them between reps."""
+        roots = [p.pid for p in getattr(self.host, "_engine_procs", []) if p.pid]
+        if not roots:  # fall back to names among this process's children
+            roots = [p for p in descendants(os.getpid()) if proc_name(p).startswith("VLLM::EngineCore")]
+        return roots + [d for r in roots for d in descendants(r)]
 
     def shutdown(self) -> None:
         self.host.shutdown()

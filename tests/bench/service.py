@@ -235,7 +235,9 @@ def fan_out(run: Run, base: str, clients: int, max_tokens: int, text: str) -> di
             Event.response_id == task["response_id"]).order_by(Event.seq)).all()
     created = dict(rows)
     all_seqs = list(created)
-    lags, complete, stalled = [], 0, 0
+    lags, steady, complete, stalled = [], [], 0, 0
+    heads = [m["headers"] for m in meta if m]
+    all_in = max(heads) if heads else float("inf")  # every follower has its response headers
     for i in range(clients):
         got = received[i]
         if got is None:
@@ -249,11 +251,16 @@ def fan_out(run: Run, base: str, clients: int, max_tokens: int, text: str) -> di
             # Live events only: those committed after this client asked; older ones are a replay.
             if seq in created and created[seq] >= connected:
                 lags.append(t - created[seq])
+                if created[seq] >= all_in:
+                    steady.append(t - created[seq])
     final = get_task(base, run.token, task["id"])
     return {"events": len(all_seqs), "clients": clients, "complete": complete, "stalled_over_1s": stalled,
             "errors": errors[:3], "n_errors": len(errors), "samples": len(lags),
             "p50_ms": _ms(percentile(lags, 50)), "p99_ms": _ms(percentile(lags, 99)),
-            "max_ms": _ms(max(lags) if lags else None), "task_status": final["status"]}
+            "max_ms": _ms(max(lags) if lags else None), "task_status": final["status"],
+            "all_connected_after_s": (all_in - min(m["sent"] for m in meta if m)) if heads else None,
+            "steady_samples": len(steady), "steady_p50_ms": _ms(percentile(steady, 50)),
+            "steady_p99_ms": _ms(percentile(steady, 99))}
 
 
 def _ms(x):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -185,6 +186,38 @@ def proc_name(pid: int) -> str:
         return " ".join(c.decode(errors="replace") for c in cmd if c)[:80]
     except OSError:
         return "?"
+
+
+class Freezer:
+    """SIGSTOP / SIGCONT a set of processes, so an idle engine cannot take any CPU from the measured side."""
+
+    def __init__(self, name: str, pids_fn):
+        self.name = name
+        self.pids_fn = pids_fn
+        self.frozen: list[int] = []
+        self.since = None
+
+    def freeze(self) -> None:
+        if self.frozen:
+            return
+        self.frozen = self.pids_fn()
+        for pid in self.frozen:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        self.since = time.monotonic()
+
+    def thaw(self) -> float:
+        """Resume; returns how long it was frozen."""
+        for pid in reversed(self.frozen):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        was = time.monotonic() - self.since if self.frozen else 0.0
+        self.frozen = []
+        return was
 
 
 def cpu_seconds(pid: int) -> float:
