@@ -13,6 +13,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from api import auth, openapi, problems
     from api.extensions import Services
     from api.live import Hub
+    from api.ratelimit import RateLimiter
     from api.views import events, health, models, responses, tasks
 
     settings = settings or get_settings()
@@ -25,7 +26,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["lmsp"] = Services(
         settings=settings, engine=engine, sessions=sessions,
         registry=Registry.load(settings.models_path), celery=make_celery(settings),
-        publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions))
+        publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions),
+        limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url))
     problems.init_app(app)
     auth.init_app(app)
     for module in (health, models, responses, tasks, events, openapi):

@@ -26,6 +26,7 @@ def init_app(app: Flask) -> None:
         if identity is None:
             raise LMSPError("unauthorized", "The token is unknown or revoked")
         g.identity = identity
+        services().limiter.check(identity.principal)
 
 
 def check_scope(scope: str) -> None:

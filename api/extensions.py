@@ -19,7 +19,8 @@ class Services:
     registry: Registry
     celery: Celery
     publisher: Publisher
-    hub: "object"  # api.live.Hub
+    hub: "object"      # api.live.Hub
+    limiter: "object"  # api.ratelimit.RateLimiter
 
 
 def services() -> Services:

@@ -233,7 +233,7 @@ PARAMETERS = {
     "LMSPVersion": {"name": "LMSP-Version", "in": "header", "required": False,
                     "description": "Protocol version the client speaks; another major version answers "
                                    "400 unsupported_version (spec 9.1)",
-                    "schema": {"type": "string", "examples": [VERSION]}},
+                    "schema": {"type": "string", "pattern": r"^1(\.[0-9]+)?$", "examples": [VERSION]}},
     "IdempotencyKey": {"name": "Idempotency-Key", "in": "header", "required": False,
                        "description": "Scoped to principal + method + path; the same key with the same body "
                                       "returns the original outcome, with another body 422 (spec 9.2)",

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
@@ -10,6 +11,7 @@ from common.errors import LMSPError, problem
 
 log = logging.getLogger("lmsp.api")
 VERSION = "1.0"
+_SPOKEN = re.compile(r"1(\.[0-9]+)?")  # any 1.x: minor versions only add
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
                415: "unsupported_media_type", 400: "invalid_request"}
 
@@ -34,7 +36,7 @@ def init_app(app: Flask) -> None:
     @app.before_request
     def _version():
         asked = request.headers.get("LMSP-Version")
-        if asked and asked.strip().split(".", 1)[0] != VERSION.split(".")[0]:
+        if asked is not None and not _SPOKEN.fullmatch(asked.strip()):
             raise LMSPError("unsupported_version",
                             f"LMSP-Version {asked!r} is not supported; this service speaks {VERSION}")
 

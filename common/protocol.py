@@ -8,11 +8,10 @@ from typing import Annotated, Literal
 import jsonschema
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
-    StrictInt,
     StrictStr,
     StringConstraints,
     ValidationError,
@@ -22,6 +21,16 @@ from pydantic import (
 from common.errors import LMSPError
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+def _json_number(value):
+    # JSON Schema's integer admits 5.0 but never "5" or true.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be an integer")
+    return value
+
+
+TokenCount = Annotated[int, Field(ge=1, le=10_000_000), BeforeValidator(_json_number)]
 
 
 class Strict(BaseModel):
@@ -121,8 +130,8 @@ class ResponseRequest(Strict):
     model: str = Field(min_length=1, max_length=200)
     input: list[InputItem] = Field(min_length=1)
     stream: StrictBool = False
-    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=2)
+    max_output_tokens: TokenCount | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2, strict=True)
     response_format: Annotated[TextFormat | JsonSchemaFormat, Field(discriminator="type")] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None

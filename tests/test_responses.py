@@ -99,7 +99,8 @@ def test_disconnect_stops_generation(alice, model_id, pg_url):
         while time.time() - closed_at < 30:
             with sessions() as session:
                 row = session.get(Response, rid)
-                running = session.execute(select(Worker.running).where(Worker.model == model_id)).scalars().all()
+                running = session.execute(select(Worker.running).where(
+                    Worker.id == f"test-{model_id}")).scalars().all()
             status = row.status
             if status == "cancelled" and row.usage is not None and sum(running) == 0:
                 break

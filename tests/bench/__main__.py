@@ -20,6 +20,7 @@ from tests.bench.util import (
     proc_name,
     vm_hwm_mib,
 )
+from tests.bench.util import user as essay_user
 
 ROOT = Path(__file__).resolve().parents[2]
 STDOUT_FD = 1  # set in main(): the table is the only thing written to stdout
@@ -123,6 +124,11 @@ def main() -> None:
         log(f"api up at {base} ({meta['api']})")
         run = svc.Run(stack=stack, db_url=db_url, sessions=sessions, api=base, api_proc=api_proc, token=token,
                       principal="bench", served=served, parked=parked, b3_token=b3_token, b3_principal="bench-b3")
+        meta["boot_probe"] = probe = boot_probe(run)
+        bad = sum(n for c, n in probe["statuses"].items() if c != "202")
+        table.add("P0", "first 16 concurrent POST /tasks on a fresh api", f"{16 - bad}/16 accepted",
+                  "; ".join(probe.get("api_log_errors", []))[:90] or "-", bad, "0 failed", bad == 0,
+                  unit=" failed", details=probe)
 
         # ---- phase 1: no engine anywhere: the api alone -------------------------------------------------
         if enabled("B3"):
@@ -182,6 +188,10 @@ def main() -> None:
                 if sides.worker_freezer is not None:
                     sides.worker_freezer.thaw()
         memory(run, table)
+    except Exception as exc:  # noqa: BLE001 - still print what was measured
+        traceback.print_exc()
+        meta["error"] = f"{type(exc).__name__}: {exc}"
+        table.na("--", "bench aborted", "-", meta["error"][:300])
     finally:
         if stack is not None:
             log("stopping processes")
@@ -234,6 +244,35 @@ def wait_ready(run, timeout: float = 60) -> None:
             return
         time.sleep(0.5)
     raise TimeoutError(f"model {run.served} not ready after the worker resumed")
+
+
+def boot_probe(run) -> dict:
+    """The first requests a fresh api gets, 16 at once (a deploy behind a busy load balancer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+    body = {"type": "response", "input": {"model": run.parked, "input": essay_user("boot probe"),
+                                          "max_output_tokens": 4}}
+
+    def one(_):
+        r = requests.post(run.api + "/lmsp/v1/tasks", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {run.b3_token}"})
+        return r.status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(one, range(16)))
+    # Then one at a time (new connections, so both gunicorn workers get some): these cannot race,
+    # and they leave every worker warm for the figures.
+    after = [one(0) for _ in range(20)]
+    out = {"statuses": {str(c): codes.count(c) for c in sorted(set(codes))},
+           "then_sequential": {str(c): after.count(c) for c in sorted(set(after))}}
+    if any(c != 202 for c in codes):
+        logfile = run.stack.tmp / "api-prod.log"
+        errors = [line for line in logfile.read_text(errors="replace").splitlines() if "Error" in line]
+        out["api_log_errors"] = sorted(set(errors))[:3]
+        log(f"boot probe: 16 concurrent POST /tasks on a fresh api -> {out['statuses']}, then 20 sequential -> "
+            f"{out['then_sequential']}; {out['api_log_errors']}")
+    return out
 
 
 def wait_http(url: str, logfile: Path, timeout: float = 60) -> None:
