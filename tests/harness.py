@@ -195,3 +195,27 @@ def iter_sse(lines):
 
 def user(text: str) -> list[dict]:
     return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def engine_pids(tag: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (proc / "cmdline").read_bytes().startswith(b"VLLM::") and \
+                    f"LMSP_ENGINE_TAG={tag}".encode() in (proc / "environ").read_bytes().split(b"\0") and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids

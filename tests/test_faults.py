@@ -6,7 +6,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
@@ -18,7 +17,7 @@ from common.db import make_engine, session_factory
 from common.registry import queue_name
 from common.settings import Settings
 from common.tables import Task
-from tests.harness import REDIS_URL, iter_sse, user
+from tests.harness import REDIS_URL, engine_pids, iter_sse, user, wait_for
 
 FINALS = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 ESSAY = "Write a very long, detailed essay about the history of {}."
@@ -79,30 +78,6 @@ def submit(client, model, text, on_restart="fail", max_tokens=300):
     resp = client.post("/lmsp/v1/tasks", body)
     assert resp.status_code == 202, resp.text
     return resp.json()
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(what)
-
-
-def engine_pids(tag: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if (proc / "cmdline").read_bytes().startswith(b"VLLM::") and \
-                    f"LMSP_ENGINE_TAG={tag}".encode() in (proc / "environ").read_bytes().split(b"\0") and \
-                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
 
 
 def final_task(client, task_id, timeout=600):
