@@ -41,6 +41,7 @@ class Response(Base):
     incomplete_details: Mapped[dict | None] = mapped_column(Json)
     stored: Mapped[bool] = mapped_column(Boolean, default=False)
     previous_response_id: Mapped[str | None] = mapped_column(String(40))
+    worker_id: Mapped[str | None] = mapped_column(String(200))  # who generates a direct response
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 

@@ -93,6 +93,15 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
     tasks = {policy: submit(alice, model, ESSAY.format(topic), policy)
              for policy, topic in [("fail", "Rome"), ("retry", "Egypt"), ("resume", "China")]}
     cancelling = submit(alice, model, ESSAY.format("Peru"), "resume")
+    direct: list = []  # an interactive stream on the same worker: its client must not hang forever
+
+    def stream_direct():
+        body = {"model": model, "input": user(ESSAY.format("Chile")), "stream": True, "max_output_tokens": 900}
+        with alice.stream_post("/lmsp/v1/responses", body) as resp:
+            direct.extend(iter_sse(resp.iter_lines(decode_unicode=True)))
+
+    direct_thread = threading.Thread(target=stream_direct, daemon=True)
+    direct_thread.start()
     followers = {p: Follower(alice, t) for p, t in tasks.items()}
     for f in followers.values():
         f.start()
@@ -136,6 +145,10 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
     events = alice.sse(cancelling["events_url"])
     check_exactly_once(events)
     assert events[-1][1] == "response.cancelled"
+
+    direct_thread.join(120)
+    assert direct and direct[-1][1] == "response.failed" and direct[-1][2]["error"]["code"] == "server_restarted"
+    assert sum(1 for e in direct if e[1] in FINALS) == 1
 
     stack.stop(restarted)  # a clean stop leaves no engine behind either
     wait_for(lambda: engine_pids(worker_id) == [], 30, "engine processes outlived a clean stop")

@@ -12,9 +12,10 @@ import time
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from common import eventlog
+from common import eventlog, events
 from common.broker import BACKGROUND, dispatch, queue_length
 from common.errors import problem
+from common.events import dumps
 from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, TERMINAL, transition
 from common.tables import IdempotencyRecord, Response, Task, Worker
 from worker.context import WorkerContext
@@ -54,7 +55,22 @@ def _run_recovered(ctx, task_id, resume):
         log.exception("recovered task %s failed", task_id)
 
 
+def fail_direct(ctx: WorkerContext, worker_ids: list[str]) -> None:
+    """Direct responses of a dead worker: their client is waiting; end its stream with response.failed."""
+    error = problem("server_restarted", "The worker generating this response stopped; send the request again")
+    with ctx.sessions() as session:
+        rows = list(session.execute(update(Response).where(
+            Response.worker_id.in_(worker_ids), Response.status == "in_progress",
+            ~Response.id.in_(select(Task.response_id))).values(
+            status="failed", error=error, updated_at=time.time()).returning(Response.id)).scalars())
+        session.commit()
+    for rid in rows:
+        name, data = events.final(rid, "failed", error=error)
+        ctx.publisher.publish(rid, [(events.UNNUMBERED, name, dumps(data))])
+
+
 def recover_own(ctx: WorkerContext) -> None:
+    fail_direct(ctx, [ctx.worker_id])
     with ctx.sessions() as session:
         ids = list(session.execute(select(Task.id).where(
             Task.worker_id == ctx.worker_id, Task.status.in_((LOADING, RUNNING, CANCELLING)))).scalars())
@@ -71,6 +87,8 @@ def take_over_dead(ctx: WorkerContext) -> None:
         dead = [w for w in dead if w != ctx.worker_id]
         if not dead:
             return
+    fail_direct(ctx, dead)
+    with ctx.sessions() as session:
         rows = session.execute(select(Task.id, Task.worker_id, Task.status, Task.model).where(
             Task.worker_id.in_(dead), Task.status.in_((LOADING, RUNNING, CANCELLING)))).all()
     for task_id, owner, status, model in rows:

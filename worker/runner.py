@@ -261,7 +261,8 @@ def run_recovered(ctx: WorkerContext, task_id: str, resume: bool) -> None:
 def run_direct(ctx: WorkerContext, response_id: str) -> None:
     with ctx.sessions() as session:
         won = session.execute(update(Response).where(
-            Response.id == response_id, Response.status == "queued").values(status="in_progress")).rowcount
+            Response.id == response_id, Response.status == "queued").values(
+            status="in_progress", worker_id=ctx.worker_id)).rowcount
         session.commit()
         if not won:
             return

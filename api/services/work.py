@@ -71,7 +71,7 @@ def final_from_row(svc: Services, response_id: str):
         return None
     name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                               incomplete_details=row.incomplete_details)
-    return (1 << 30, name, dumps(data))
+    return (events.UNNUMBERED, name, dumps(data))
 
 
 def check_task_limits(svc: Services, session: Session, principal: str, prepared: Prepared) -> None:

@@ -82,7 +82,7 @@ def _stream(svc, response_id, key):
                 yield ": keep-alive\n\n"  # lets WSGI notice a closed client within a heartbeat
                 continue
             seq, name, data = event
-            yield events.sse(None if seq >= 1 << 30 else seq, name, data)
+            yield events.sse(None if seq == events.UNNUMBERED else seq, name, data)
             if name in events.FINAL:
                 finished = True
                 if key is not None:

@@ -45,6 +45,7 @@ def upgrade() -> None:
         sa.Column("incomplete_details", Json),
         sa.Column("stored", sa.Boolean, nullable=False),
         sa.Column("previous_response_id", sa.String(40)),
+        sa.Column("worker_id", sa.String(200)),
         sa.Column("created_at", sa.Float, nullable=False),
         sa.Column("updated_at", sa.Float, nullable=False),
     )
