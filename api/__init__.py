@@ -14,7 +14,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from api.extensions import Services
     from api.live import Hub
     from api.ratelimit import RateLimiter
-    from api.views import events, health, models, responses, tasks
+    from api.views import events, health, metrics, models, responses, tasks
 
     settings = settings or get_settings()
     engine = make_engine(settings.db_url)
@@ -30,7 +30,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url))
     problems.init_app(app)
     auth.init_app(app)
-    for module in (health, models, responses, tasks, events, openapi):
+    for module in (health, metrics, models, responses, tasks, events, openapi):
         app.register_blueprint(module.bp)
     events.sock.init_app(app)
     return app

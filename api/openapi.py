@@ -339,9 +339,11 @@ def _paths() -> dict:
         "/readyz": {"get": operation(
             "readyz", "Readiness probe: database and broker reachable", "health", None,
             {"200": json_response("Ready", "Readiness"),
-             "503": json_response("Not ready; `checks` says which dependency failed (a readiness document, "
-                                  "not a problem)", "Readiness"),
-             **errors(auth=False)})},
+             **errors((503, "overloaded", "Not ready: `checks` says which dependency failed."), auth=False)})},
+        "/metrics": {"get": operation(
+            "metrics", "Prometheus metrics of all tenants: tasks by state, queues, workers", "health", "admin",
+            {"200": {"description": "Prometheus text exposition format", "headers": _headers(),
+                     "content": {"text/plain": {"schema": {"type": "string"}}}}, **errors()})},
         API: {"get": operation(
             "discovery", "Service discovery: version, capabilities, base paths, model ids", "discovery",
             "models:read", {"200": json_response("The service", "Discovery"), **errors()})},

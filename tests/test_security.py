@@ -142,3 +142,12 @@ def test_queued_task_and_queue_depth_limits(stack, limited):
     for client, resp in zip([heidi] * 3 + [ivan] * 2, created, strict=True):
         time.sleep(0.6)
         assert client.post(f"/lmsp/v1/tasks/{resp.json()['id']}/cancel").status_code == 200
+
+
+def test_metrics_need_admin(stack, api, alice, model_id):
+    problem(alice.get("/metrics"), 403, "insufficient_scope")
+    admin = Client(api, stack.token("ops", "admin"))
+    text = admin.get("/metrics")
+    assert text.status_code == 200 and text.headers["Content-Type"].startswith("text/plain")
+    assert f'lmsp_worker_up{{worker="test-{model_id}",model="{model_id}"}} 1' in text.text
+    assert "lmsp_tasks{" in text.text
