@@ -146,8 +146,10 @@ def test_queued_task_and_queue_depth_limits(stack, limited):
 
 def test_metrics_need_admin(stack, api, alice, model_id):
     problem(alice.get("/metrics"), 403, "insufficient_scope")
+    task = alice.post("/lmsp/v1/tasks", task_body(stack.fault_model)).json()
+    alice.post(f"/lmsp/v1/tasks/{task['id']}/cancel")
     admin = Client(api, stack.token("ops", "admin"))
     text = admin.get("/metrics")
     assert text.status_code == 200 and text.headers["Content-Type"].startswith("text/plain")
     assert f'lmsp_worker_up{{worker="test-{model_id}",model="{model_id}"}} 1' in text.text
-    assert "lmsp_tasks{" in text.text
+    assert f'lmsp_tasks{{model="{stack.fault_model}",status="cancelled"}}' in text.text

@@ -12,6 +12,7 @@ from pathlib import Path
 from tests.bench import REPS, enabled
 from tests.bench.util import (
     Freezer,
+    cpu_seconds,
     descendants,
     essay_prompt,
     log,
@@ -127,7 +128,7 @@ def main() -> None:
         meta["boot_probe"] = probe = boot_probe(run)
         bad = sum(n for c, n in probe["statuses"].items() if c != "202")
         table.add("P0", "first 16 concurrent POST /tasks on a fresh api", f"{16 - bad}/16 accepted",
-                  "; ".join(probe.get("api_log_errors", []))[:90] or "-", bad, "0 failed", bad == 0,
+                  "; ".join(probe.get("api_log_errors", []))[:60] or "-", bad, "0 failed", bad == 0,
                   unit=" failed", details=probe)
 
         # ---- phase 1: no engine anywhere: the api alone -------------------------------------------------
@@ -235,6 +236,27 @@ class Sides:
             log("engine-alone: shut down")
 
 
+class CpuMeter:
+    """CPU seconds (user + system) used by groups of processes between construction and read()."""
+
+    def __init__(self, groups: dict):
+        self.groups = groups
+        self.start = {name: self._total(fn) for name, fn in groups.items()}
+
+    @staticmethod
+    def _total(fn) -> float:
+        total = 0.0
+        for pid in fn():
+            try:
+                total += cpu_seconds(pid)
+            except OSError:
+                pass
+        return total
+
+    def read(self) -> dict:
+        return {name: round(self._total(fn) - self.start[name], 1) for name, fn in self.groups.items()}
+
+
 def wait_ready(run, timeout: float = 60) -> None:
     from tests.bench import service as svc
     deadline = time.monotonic() + timeout
@@ -336,21 +358,29 @@ def b1(run, table: Table, sides: Sides) -> None:
     texts = [essay_prompt(i) for i in range(B1_TASKS)]
     prompts = [sides.engine.render(t) for t in texts]
     eng, rounds = [], []
+    worker = run.worker_proc.pid
     for rep in range(REPS):
         for side in (("engine", "service") if rep % 2 == 0 else ("service", "engine")):
             if side == "engine":
                 sides.use_engine()
+                cpu = CpuMeter({"bench process (client + AsyncLLM)": lambda: [os.getpid()],
+                                "engine processes": sides.engine.pids})
                 r = sides.engine.batch(prompts, B1_TOKENS)
+                r["cpu_s"] = cpu.read()
                 eng.append(r)
                 log(f"B1 rep {rep + 1}/{REPS} engine-alone: {r['tokens']} tokens in {r['elapsed']:.1f}s "
-                    f"= {r['tokens_per_s']:.1f} tok/s")
+                    f"= {r['tokens_per_s']:.1f} tok/s; CPU s {r['cpu_s']}")
             else:
                 sides.use_service()
+                cpu = CpuMeter({"worker main process": lambda: [worker],
+                                "engine processes": lambda: descendants(worker),
+                                "api workers": lambda: svc.api_workers(run)})
                 r = svc.tasks_round(run, texts, B1_TOKENS)
+                r["cpu_s"] = cpu.read()
                 rounds.append(r)
                 log(f"B1 rep {rep + 1}/{REPS} service: {r['tokens']} tokens in {r['elapsed']:.1f}s = "
                     f"{r['tokens_per_s']:.1f} tok/s (accepted in {r['accepted_s']:.2f}s, "
-                    f"last ended_at {r['db_makespan_s']:.1f}s)")
+                    f"last ended_at {r['db_makespan_s']:.1f}s); CPU s {r['cpu_s']}")
     s_rate, e_rate = median([r["tokens_per_s"] for r in rounds]), median([r["tokens_per_s"] for r in eng])
     same = sum(a == b for a, b in zip(rounds[0]["texts"], eng[0]["texts"], strict=True))
     ratio = s_rate / e_rate
@@ -534,7 +564,7 @@ def memory(run, table: Table) -> None:
     if run.worker_proc is not None and run.worker_proc.poll() is None:
         main = vm_hwm_mib(run.worker_proc.pid)
         kids = {p: (proc_name(p), vm_hwm_mib(p)) for p in descendants(run.worker_proc.pid)}
-        engine = ", ".join(f"{n.split()[0]} {v:.0f} MiB" for n, v in kids.values() if v is not None)
+        engine = ", ".join(f"{Path(n.split()[0]).name} {v:.0f} MiB" for n, v in kids.values() if v is not None)
         table.add("M2", "worker main process peak RSS (without engine children)", f"{main:.0f} MiB",
                   engine or "-", main, "(info)", None, unit=" MiB", details={"children": kids})
     else:
