@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import jsonschema
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -30,6 +31,15 @@ def _json_number(value):
     return value
 
 
+def _check_schema(schema: dict) -> dict:
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+    return schema
+
+
+JsonSchema = Annotated[dict, AfterValidator(_check_schema)]
 TokenCount = Annotated[int, Field(ge=1, le=10_000_000), BeforeValidator(_json_number)]
 
 
@@ -89,14 +99,8 @@ class FunctionTool(Strict):
     type: Literal["function"]
     name: Name
     description: str | None = None
-    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    parameters: JsonSchema = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: StrictBool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _schema(cls, value: dict) -> dict:
-        _check_schema(value)
-        return value
 
 
 class NamedToolChoice(Strict):
@@ -106,15 +110,9 @@ class NamedToolChoice(Strict):
 
 class JsonSchemaSpec(Strict):
     name: Name
-    schema_: dict = Field(alias="schema")
+    schema_: JsonSchema = Field(alias="schema")
     description: str | None = None
-    strict: bool | None = None
-
-    @field_validator("schema_")
-    @classmethod
-    def _schema(cls, value: dict) -> dict:
-        _check_schema(value)
-        return value
+    strict: StrictBool | None = None
 
 
 class TextFormat(Strict):
@@ -156,11 +154,6 @@ class TaskRequest(Strict):
     on_restart: Literal["fail", "retry", "resume"] = "fail"
 
 
-def _check_schema(schema: dict) -> None:
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
 
 
 def _param(loc: tuple) -> str:
