@@ -1,12 +1,17 @@
 """The LMSP api: a Flask app factory with one blueprint per resource."""
 
+import logging
+
 from flask import Flask
 
 from common.broker import make_celery
 from common.bus import Publisher
 from common.db import ensure_migrated, make_engine, session_factory
+from common.prompt import load_tokenizer
 from common.registry import Registry
 from common.settings import Settings, get_settings
+
+log = logging.getLogger("lmsp.api")
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -28,6 +33,14 @@ def create_app(settings: Settings | None = None) -> Flask:
         registry=Registry.load(settings.models_path), celery=make_celery(settings),
         publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions),
         limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url))
+    # Tokenizers count input tokens on every request: load them now, once, not inside the first
+    # requests (transformers' lazy imports are not safe to race from many threads).
+    for spec in app.extensions["lmsp"].registry.models.values():
+        try:
+            load_tokenizer(spec.checkpoint)
+        except (OSError, ValueError) as exc:
+            log.warning("model %s: no tokenizer at %s (%s); its requests will be refused",
+                        spec.id, spec.checkpoint, exc)
     problems.init_app(app)
     auth.init_app(app)
     for module in (health, metrics, models, responses, tasks, events, openapi):

@@ -16,7 +16,8 @@ import redis
 
 from common import eventlog
 from common.bus import CHANNEL, decode
-from common.events import FINAL
+from common.errors import problem
+from common.events import ERROR, FINAL, dumps, sse
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.live")
@@ -132,57 +133,80 @@ class Hub:
                     sub.queue.put([])  # wake followers so they read the log for what they missed
 
 
+PAGE = 5000  # events per log read; one page is written to the client in one piece
+
+
 def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: float,
-           is_final_in_db=None) -> Iterator[Event | None]:
-    """Yield events with seq > ``after`` in order, ending with the final one; None means "heartbeat".
+           is_final_in_db=None) -> Iterator[list[Event] | None]:
+    """Yield lists of events with seq > ``after``, in order, the last list ending with the final event;
+    None means "nothing happened for ``heartbeat`` seconds".
 
     ``logged`` is False for a direct stream whose events exist only in transit;
     then ``is_final_in_db`` is asked now and then so a worker that died without a
     final event still ends the stream.
     """
-    settings = hub.settings
     last = after
     with hub.subscribe(response_id) as sub:  # subscribe before reading the log: nothing falls between
         need_log = logged
-        last_log_read = 0.0
+        last_log_read = last_sent = time.monotonic()
         while True:
             if need_log:
                 with hub.sessions() as session:
-                    batch = eventlog.read(session, response_id, last)
+                    page = eventlog.read(session, response_id, last, limit=PAGE)
                 last_log_read = time.monotonic()
-                for event in batch:
-                    yield event
-                    last = event[0]
-                    if event[1] in FINAL:
+                need_log = len(page) == PAGE  # a full page: read on
+                if page:
+                    last = page[-1][0]
+                    last_sent = last_log_read
+                    final = _final_index(page)
+                    if final is not None:
+                        yield page[:final + 1]
                         return
-                need_log = len(batch) == 1000  # a full page: read on
+                    yield page
                 if need_log:
                     continue
-            wait = heartbeat if hub.live else min(heartbeat, settings.poll_interval_seconds)
+            wait = heartbeat if hub.live else hub.settings.poll_interval_seconds
             batch = sub.get(timeout=wait)
+            now = time.monotonic()
             if batch is None:
+                if now - last_sent >= heartbeat:
+                    last_sent = now
+                    yield None
                 if not hub.live:
-                    need_log = True
-                    continue
-                yield None
-                # A safety net for lost notifications (Redis restarted mid-stream).
-                if logged and time.monotonic() - last_log_read > 5:
-                    need_log = True
+                    need_log = True  # no notifications without Redis: the log is polled
+                elif logged and now - last_log_read > 5:
+                    need_log = True  # a safety net for lost notifications (Redis restarted mid-stream)
                 elif not logged and is_final_in_db is not None:
-                    final = is_final_in_db()
-                    if final is not None:
-                        yield final
+                    final_event = is_final_in_db()
+                    if final_event is not None:
+                        yield [final_event]
                         return
                 continue
+            fresh = []
             for event in sorted(batch):
                 if event[0] <= last:
                     continue  # already sent from the log
                 if event[0] != last + 1 and logged:
                     need_log = True  # a gap: the log has what the channel lost
                     break
-                yield event
+                fresh.append(event)
                 last = event[0]
                 if event[1] in FINAL:
+                    yield fresh
                     return
+            if fresh:
+                last_sent = now
+                yield fresh
             if not batch:
                 need_log = logged
+
+
+def stream_failed() -> str:
+    """The SSE ``error`` event that ends a stream the server cannot go on with (logged first)."""
+    log.exception("event stream failed")
+    doc = problem("server_error", "The stream failed; reconnect with Last-Event-ID to continue")
+    return sse(None, ERROR, dumps({"error": doc}))
+
+
+def _final_index(page: list[Event]) -> int | None:
+    return next((i for i, event in enumerate(page) if event[1] in FINAL), None)

@@ -13,7 +13,7 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=64)
 def load_tokenizer(checkpoint: str):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(checkpoint)

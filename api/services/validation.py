@@ -45,7 +45,11 @@ def prepare(session: Session, registry: Registry, principal: str, body) -> Prepa
     if req.max_output_tokens and req.max_output_tokens > spec.max_output_tokens:
         raise LMSPError("invalid_request", f"max_output_tokens {req.max_output_tokens} is above the "
                         f"model's maximum {spec.max_output_tokens}", param="max_output_tokens")
-    tokenizer = load_tokenizer(spec.checkpoint)
+    try:
+        tokenizer = load_tokenizer(spec.checkpoint)
+    except (OSError, ValueError):
+        raise LMSPError("model_unavailable", f"The api cannot read the tokenizer of {spec.id}; "
+                        "its checkpoint must be readable by the api too", retry_after=60) from None
     input_tokens = count_tokens(tokenizer, render(tokenizer, req))
     room = spec.context_window - input_tokens
     if room < 1:

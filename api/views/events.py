@@ -7,7 +7,7 @@ from flask_sock import Sock
 
 from api.auth import check_scope, principal, require
 from api.extensions import services
-from api.live import follow
+from api.live import follow, stream_failed
 from api.services.work import get_task
 from common import events
 from common.errors import LMSPError
@@ -55,8 +55,11 @@ def sse(task_id: str):
     response_id, after = _open(task_id)
 
     def body():
-        for event in _follow(response_id, after):
-            yield ": keep-alive\n\n" if event is None else events.sse(*event)
+        try:
+            for batch in _follow(response_id, after):
+                yield ": keep-alive\n\n" if batch is None else "".join(events.sse(*event) for event in batch)
+        except Exception:  # noqa: BLE001 - end with an error event, never half a line
+            yield stream_failed()
 
     return Response(stream_with_context(body()), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -74,7 +77,7 @@ def _ws_preflight():
 @sock.route("/<task_id>/ws", bp=bp)
 def ws(socket, task_id: str):
     response_id, after = g.ws_target
-    for event in _follow(response_id, after):
-        if event is not None:
+    for batch in _follow(response_id, after):
+        for event in batch or ():
             socket.send(events.ws_frame(*event))
     socket.close(reason=1000, message="final event sent")

@@ -5,12 +5,12 @@ from flask import Blueprint, Response, request, stream_with_context
 from api.auth import principal, require
 from api.body import json_body
 from api.extensions import services
-from api.live import follow
+from api.live import follow, stream_failed
 from api.services import idempotency
 from api.services.validation import prepare
 from api.services.work import abort_direct, create_direct, final_from_row, response_json, stored_response
 from common import events
-from common.errors import LMSPError, problem
+from common.errors import LMSPError
 
 bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
 
@@ -42,9 +42,11 @@ def create():
 
 
 def _events(svc, response_id):
-    return follow(svc.hub, response_id, 0, logged=not svc.hub.live,
-                  heartbeat=svc.settings.sse_heartbeat_seconds,
-                  is_final_in_db=lambda: final_from_row(svc, response_id))
+    """The direct stream's events one by one; None for a heartbeat."""
+    for batch in follow(svc.hub, response_id, 0, logged=not svc.hub.live,
+                        heartbeat=svc.settings.sse_heartbeat_seconds,
+                        is_final_in_db=lambda: final_from_row(svc, response_id)):
+        yield from (None,) if batch is None else batch
 
 
 def _outcome(svc, response_id, final_name, final_data) -> tuple[int, str]:
@@ -89,9 +91,7 @@ def _stream(svc, response_id, key):
                     idempotency.finish(svc.sessions, key, *_outcome(svc, response_id, name, data))
                 return
     except Exception:  # noqa: BLE001 - the stream must end with an event, never half a line
-        doc = problem("server_error", "The stream failed; the error is logged")
-        yield events.sse(None, events.ERROR, json.dumps({"error": doc}))
-        raise
+        yield stream_failed()
     finally:
         if not finished:
             abort_direct(svc, response_id)

@@ -416,12 +416,18 @@ def b2(run, table: Table, sides: Sides) -> None:
     e_tok = [s["first_token"] for s in eng]
     p50 = percentile(s_t, 50) - percentile(e_t, 50)
     p95 = percentile(s_t, 95) - percentile(e_t, 95)
+    created = [s["created"] for s in samples]
+    after = [s["ttft"] - s["created"] for s in samples if s["created"] is not None]
+    log(f"B2: service: response.created (worker picked it up) p50 {fmt_ms(percentile(created, 50))}, then first "
+        f"delta p50 {fmt_ms(percentile(after, 50))}")
     log(f"B2: service TTFT p50 {fmt_ms(percentile(s_t, 50))} p95 {fmt_ms(percentile(s_t, 95))}; engine first "
         f"text p50 {fmt_ms(percentile(e_t, 50))} p95 {fmt_ms(percentile(e_t, 95))} (first token p50 "
         f"{fmt_ms(percentile(e_tok, 50))})")
     details = {"service_ttft_ms": [round(1000 * x, 1) for x in s_t],
                "engine_first_text_ms": [round(1000 * x, 1) for x in e_t],
                "engine_first_token_ms": [round(1000 * x, 1) for x in e_tok],
+               "service_created_ms": [None if x is None else round(1000 * x, 1) for x in created],
+               "service_created_to_first_delta_ms": [round(1000 * x, 1) for x in after],
                "same_text": samples[0]["text"] == eng[0]["text"], "service_text": samples[0]["text"],
                "engine_text": eng[0]["text"]}
     table.add("B2", f"{name} p50", fmt_ms(percentile(s_t, 50)), fmt_ms(percentile(e_t, 50)),

@@ -122,8 +122,10 @@ def stream_ttft(run: Run, text: str, max_tokens: int, base: str | None = None) -
     body = {"model": run.served, "input": user(text), "max_output_tokens": max_tokens, "temperature": 0,
             "stream": True}
     s = RawStream(base or run.api, "POST", "/lmsp/v1/responses", run.token, body, timeout=600)
-    first, final, deltas = None, None, ""
+    first, final, deltas, created = None, None, "", None
     for t, _seq, name, data in s.events():
+        if name == "response.created" and created is None:
+            created = t - s.sent_at
         if name == "response.output_text.delta":
             if first is None:
                 first = t - s.sent_at
@@ -131,7 +133,7 @@ def stream_ttft(run: Run, text: str, max_tokens: int, base: str | None = None) -
         elif name.startswith("response.") and name.split(".", 1)[1] in (
                 "completed", "incomplete", "failed", "cancelled") or name == "error":
             final = name
-    return {"ttft": first, "final": final, "text": deltas}
+    return {"ttft": first, "final": final, "text": deltas, "created": created}
 
 
 # -- B3: acceptance rate ----------------------------------------------------------------------------------
