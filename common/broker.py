@@ -1,8 +1,8 @@
 """The Celery app both sides share: the api sends by task name, the worker consumes.
 
-Priorities: interactive ``POST /responses`` work is sent at INTERACTIVE and
-background tasks at BACKGROUND; kombu's Redis transport keeps one list per
-priority step and reads the most urgent first (lower is sooner).
+Interactive ``POST /responses`` work has a queue of its own per model (see
+worker/interactive.py); within a queue, kombu's Redis transport keeps one list
+per priority step and reads the most urgent first (lower is sooner).
 """
 
 from celery import Celery
@@ -19,7 +19,8 @@ def make_celery(settings: Settings) -> Celery:
     if settings.broker.startswith("filesystem"):
         folder = settings.broker_folder
         folder.mkdir(parents=True, exist_ok=True)
-        options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+        # The default 1 s poll would add up to a second to every request on one machine.
+        options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "polling_interval": 0.05}
     else:
         options.update({"priority_steps": list(range(10)), "sep": ":", "queue_order_strategy": "priority"})
     app.conf.update(

@@ -43,6 +43,11 @@ class ModelSpec(BaseModel):
         return queue_name(self.id)
 
     @property
+    def interactive_queue(self) -> str:
+        """Where ``POST /responses`` work goes: drained at once, never behind background tasks."""
+        return self.queue + ".interactive"
+
+    @property
     def max_num_seqs(self) -> int:
         return int(self.engine.get("max_num_seqs", 64))
 

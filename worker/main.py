@@ -19,7 +19,7 @@ from common.db import NotMigrated, ensure_migrated, make_engine, session_factory
 from common.errors import LMSPError
 from common.registry import Registry
 from common.settings import get_settings
-from worker import recovery, runner
+from worker import interactive, recovery, runner
 from worker.context import WorkerContext
 from worker.writer import EventWriter
 
@@ -61,12 +61,9 @@ def serve(ctx: WorkerContext) -> None:
     app = ctx.celery
 
     @app.task(name=RUN_TASK)
-    def run(task_id: str | None = None, response_id: str | None = None) -> None:
+    def run(task_id: str) -> None:
         try:
-            if task_id:
-                runner.run_task(ctx, task_id)
-            elif response_id:
-                runner.run_direct(ctx, response_id)
+            runner.run_task(ctx, task_id)
         except runner.EngineStopped:
             pass  # the task stays unfinished; its restart policy applies when a worker comes back
 
@@ -80,6 +77,7 @@ def serve(ctx: WorkerContext) -> None:
     recovery.heartbeat(ctx)
     recovery.recover_own(ctx)
     recovery.start_background(ctx)
+    interactive.start(ctx)
     concurrency = ctx.spec.max_num_seqs
     try:
         app.worker_main(["worker", "-P", "threads", "-c", str(concurrency), "-Q", ctx.spec.queue,

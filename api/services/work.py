@@ -49,7 +49,7 @@ def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
         row = _response_row(prepared, principal, "queued", stored)
         session.add(row)
         session.commit()
-    dispatch(svc.celery, prepared.spec.queue, {"response_id": row.id}, INTERACTIVE)
+    dispatch(svc.celery, prepared.spec.interactive_queue, {"response_id": row.id}, INTERACTIVE)
     return row.id
 
 
