@@ -11,6 +11,7 @@ from common.errors import LMSPError, problem
 
 log = logging.getLogger("lmsp.api")
 VERSION = "1.0"
+DRAIN_LIMIT = 16 * 1024 * 1024
 _SPOKEN = re.compile(r"1(\.[0-9]+)?")  # any 1.x: minor versions only add
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
                415: "unsupported_media_type", 400: "invalid_request"}
@@ -39,6 +40,20 @@ def init_app(app: Flask) -> None:
         if asked is not None and not _SPOKEN.fullmatch(asked.strip()):
             raise LMSPError("unsupported_version",
                             f"LMSP-Version {asked!r} is not supported; this service speaks {VERSION}")
+
+    @app.before_request
+    def _body_size():
+        limit = app.config["MAX_CONTENT_LENGTH"]
+        length = request.content_length
+        if length is not None and length > limit:
+            # Read what was sent (within reason) so the client gets the 413 instead of a reset
+            # connection while it is still writing.
+            if length <= DRAIN_LIMIT:
+                stream = request.environ["wsgi.input"]
+                while length > 0 and (chunk := stream.read(min(length, 65536))):
+                    length -= len(chunk)
+            raise LMSPError("payload_too_large", f"The body is {request.content_length} bytes; the limit is "
+                            f"{limit}")
 
     @app.after_request
     def _stamp(resp: Response) -> Response:
