@@ -1,6 +1,7 @@
 """The LMSP api: a Flask app factory with one blueprint per resource."""
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from flask import Flask
 
@@ -32,7 +33,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         settings=settings, engine=engine, sessions=sessions,
         registry=Registry.load(settings.models_path), celery=make_celery(settings),
         publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions),
-        limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url))
+        limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url),
+        sender=ThreadPoolExecutor(1, "lmsp-dispatch"))
     # Tokenizers count input tokens on every request: load them now, once, not inside the first
     # requests (transformers' lazy imports are not safe to race from many threads).
     for spec in app.extensions["lmsp"].registry.models.values():

@@ -1,5 +1,6 @@
 """Everything the api shares across requests, initialised in one place."""
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from celery import Celery
@@ -21,6 +22,7 @@ class Services:
     publisher: Publisher
     hub: "object"      # api.live.Hub
     limiter: "object"  # api.ratelimit.RateLimiter
+    sender: ThreadPoolExecutor  # sends broker messages after the commit, off the request threads
 
 
 def services() -> Services:

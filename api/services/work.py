@@ -6,7 +6,7 @@ Celery messages are sent only after the transaction commits.
 
 import time
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
@@ -75,15 +75,15 @@ def final_from_row(svc: Services, response_id: str):
 
 
 def check_task_limits(svc: Services, session: Session, principal: str, prepared: Prepared) -> None:
-    queued = session.execute(select(func.count()).select_from(Task).where(
-        Task.principal_id == principal, Task.status == QUEUED)).scalar()
-    if queued >= svc.settings.max_queued_tasks_per_principal:
-        raise LMSPError("rate_limited", f"You have {queued} queued tasks, the limit is "
+    # One round trip for both limits: this runs on every POST /tasks.
+    mine, total = session.execute(
+        select(func.count().filter(Task.principal_id == principal), func.count().filter(Task.model == prepared.spec.id))
+        .where(Task.status == QUEUED, or_(Task.model == prepared.spec.id, Task.principal_id == principal))).one()
+    if mine >= svc.settings.max_queued_tasks_per_principal:
+        raise LMSPError("rate_limited", f"You have {mine} queued tasks, the limit is "
                         f"{svc.settings.max_queued_tasks_per_principal}; wait for some to finish",
                         retry_after=5)
     depth = min(prepared.spec.queue_depth, svc.settings.max_queue_depth)
-    total = session.execute(select(func.count()).select_from(Task).where(
-        Task.model == prepared.spec.id, Task.status == QUEUED)).scalar()
     if total >= depth:
         raise LMSPError("overloaded", f"The queue of {prepared.spec.id} is full ({total} tasks); retry later",
                         retry_after=10)
@@ -99,15 +99,16 @@ def new_task(session: Session, principal: str, prepared: Prepared, on_restart: s
     task = Task(id=new_id("task"), principal_id=principal, response_id=response.id, type="response",
                 model=prepared.spec.id, status=QUEUED, on_restart=on_restart, attempt=0,
                 created_at=now, updated_at=now, dispatched_at=now, events_expired=False)
-    session.add(response)
-    session.flush()
-    session.add(task)
+    session.add_all([response, task])  # the unit of work inserts the response first (foreign key)
     eventlog.append(session, response.id, [(1, events.CREATED, dumps(events.created(response.id)))])
     return task
 
 
 def send_task(svc: Services, task: Task) -> None:
-    dispatch(svc.celery, svc.registry.get(task.model).queue, {"task_id": task.id}, BACKGROUND)
+    """Announce a committed task, off the request thread: the 202 need not wait for the broker.
+    A message lost here (process killed, broker down) is sent again by the workers' sweeper."""
+    svc.sender.submit(dispatch, svc.celery, svc.registry.get(task.model).queue, {"task_id": task.id},
+                      BACKGROUND)
 
 
 def get_task(session: Session, principal: str, task_id: str) -> Task:

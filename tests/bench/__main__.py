@@ -591,7 +591,14 @@ def cleanup_redis(url: str, models: list[str]) -> None:
         log(f"could not clean Redis: {exc}")
 
 
+def _interrupt(*_):
+    raise KeyboardInterrupt  # unwinds through the finally blocks: thaw, stop processes, drop the database
+
+
 if __name__ == "__main__":
+    import signal
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     try:
         main()
     except KeyboardInterrupt:
