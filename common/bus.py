@@ -37,10 +37,18 @@ class Publisher:
         return self.client is not None
 
     def publish(self, response_id: str, batch: list[tuple[int, str, str]]) -> None:
-        if self.client is None or not batch:
+        self.publish_many({response_id: batch})
+
+    def publish_many(self, batches: dict[str, list[tuple[int, str, str]]]) -> None:
+        """One round trip for every response's batch of a commit cycle."""
+        if self.client is None:
             return
         try:
-            self.client.publish(channel(response_id), encode(batch))
+            pipe = self.client.pipeline(transaction=False)
+            for response_id, batch in batches.items():
+                if batch:
+                    pipe.publish(channel(response_id), encode(batch))
+            pipe.execute()
         except redis.RedisError:
             pass  # followers fall back to the log; Redis is expendable
 

@@ -45,8 +45,11 @@ def make_engine(url: str, **kwargs) -> Engine:
 
         return engine
     if "poolclass" not in kwargs:
-        kwargs.setdefault("pool_size", 20)
-        kwargs.setdefault("max_overflow", 40)
+        # Bounded: requests wait up to pool_timeout for a connection rather than exhaust Postgres'
+        # max_connections when hundreds of followers are open (they hold one only while reading).
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 20)
+        kwargs.setdefault("pool_timeout", 30)
     return create_engine(url, pool_pre_ping=True, **kwargs)
 
 

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8080
     api_workers: int = 2
-    api_threads: int = 64
+    api_threads: int = 256  # one per open event stream (gthread)
 
     @property
     def db_url(self) -> str:

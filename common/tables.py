@@ -67,6 +67,7 @@ class Task(Base):
     __table_args__ = (
         Index("ix_tasks_status_model", "status", "model"),
         Index("ix_tasks_worker_status", "worker_id", "status"),
+        Index("ix_tasks_principal_status", "principal_id", "status"),  # the per-principal queue limit
     )
 
 

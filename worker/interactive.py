@@ -19,13 +19,18 @@ from worker.context import WorkerContext
 log = logging.getLogger("lmsp.interactive")
 
 
+def interactive_reserve(max_num_seqs: int) -> int:
+    """Engine slots kept beyond the background pool for people waiting at a screen."""
+    return max(2, max_num_seqs // 8)
+
+
 def queue_for(ctx: WorkerContext) -> Queue:
     name = ctx.spec.interactive_queue
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 
 def start(ctx: WorkerContext) -> threading.Thread:
-    pool = ThreadPoolExecutor(ctx.spec.max_num_seqs, "lmsp-interactive")
+    pool = ThreadPoolExecutor(interactive_reserve(ctx.spec.max_num_seqs), "lmsp-interactive")
     thread = threading.Thread(target=_consume, args=(ctx, pool), name="lmsp-interactive", daemon=True)
     thread.start()
     return thread

@@ -21,6 +21,7 @@ from common.registry import Registry
 from common.settings import get_settings
 from worker import interactive, recovery, runner
 from worker.context import WorkerContext
+from worker.interactive import interactive_reserve
 from worker.writer import EventWriter
 
 log = logging.getLogger("lmsp.worker")
@@ -48,7 +49,10 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
     if killed:
         log.warning("ended %d engine processes left by a previous run of %s", len(killed), worker_id)
     log.info("loading %s from %s", spec.id, spec.checkpoint)
-    host = EngineHost(spec.checkpoint, spec.engine, tag=worker_id)
+    # Background tasks fill at most max_num_seqs engine slots (the Celery pool's size); the engine
+    # has a few more, so an interactive request is admitted at once even under a full queue.
+    engine_args = {**spec.engine, "max_num_seqs": spec.max_num_seqs + interactive_reserve(spec.max_num_seqs)}
+    host = EngineHost(spec.checkpoint, engine_args, tag=worker_id)
     host.start()
     sessions = session_factory(engine)
     publisher = Publisher(settings.redis_url)

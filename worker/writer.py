@@ -61,8 +61,7 @@ class EventWriter:
             for rid, event in pending:
                 grouped[rid].append(event)
             self._commit(grouped)
-            for rid, batch in grouped.items():
-                self.publisher.publish(rid, batch)
+            self.publisher.publish_many(grouped)
             with self._cond:
                 self._committed = upto
                 self._cond.notify_all()

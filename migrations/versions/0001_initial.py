@@ -69,6 +69,7 @@ def upgrade() -> None:
     )
     op.create_index("ix_tasks_status_model", "tasks", ["status", "model"])
     op.create_index("ix_tasks_worker_status", "tasks", ["worker_id", "status"])
+    op.create_index("ix_tasks_principal_status", "tasks", ["principal_id", "status"])
     op.create_table(
         "events",
         sa.Column("response_id", sa.String(40), primary_key=True),
