@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +32,7 @@ OUT = Path(os.environ.get("LMSP_BENCH_OUT", ROOT / "bench-results.json"))
 B1_TASKS, B1_TOKENS = 64, 128
 B2_REQUESTS, B2_TOKENS = 30, 8
 B2_PROMPT = "Say hello in one sentence."
+B0_PROMPT, B0_TOKENS = "Write a long story about a dragon who learns to read.", 128
 B3_THREADS, B3_SECONDS = 32, float(os.environ.get("LMSP_BENCH_B3_SECONDS", "4"))
 B4_CLIENTS, B4_TOKENS = 200, 128
 B5_EVENTS = 100_000
@@ -141,10 +143,10 @@ def main() -> None:
         # The engine-alone baseline (an EngineHost in this process) and the service's worker take turns:
         # the idle side is frozen with SIGSTOP, so it takes no CPU, and the reps of the two sides
         # alternate, so the noise of this shared machine falls on both alike.
-        if any(enabled(f) for f in ("B1", "B2", "B4", "B6")):
+        if any(enabled(f) for f in ("B0", "B1", "B2", "B4", "B6")):
             sides = Sides(run)
             try:
-                if enabled("B1") or enabled("B2"):
+                if enabled("B0") or enabled("B1") or enabled("B2"):
                     from tests.bench.engine_side import EngineSide
                     log("engine-alone: loading EngineHost in the bench process")
                     try:
@@ -161,7 +163,7 @@ def main() -> None:
                     log(f"service: worker ready in {time.monotonic() - t:.0f}s")
                 except Exception as exc:  # noqa: BLE001
                     reason = f"the worker did not start: {exc}"[:300]
-                    for fid in ("B1", "B2", "B4", "B6"):
+                    for fid in ("B0", "B1", "B2", "B4", "B6"):
                         if enabled(fid):
                             table.na(fid, fid, "-", reason)
                 if run.worker_proc is not None:
@@ -174,6 +176,8 @@ def main() -> None:
                     if enabled("B1"):
                         guarded(table, "B1", "throughput efficiency (64 tasks x 128 tok)", ">= 0.90",
                                 lambda: b1(run, table, sides))
+                    if enabled("B0"):
+                        guarded(table, "B0", "single-request tokens/s", "(info)", lambda: b0(run, table, sides))
                     if enabled("B2"):
                         guarded(table, "B2", "first-token overhead", "p50 <= 30 ms", lambda: b2(run, table, sides))
                     sides.drop_engine()
@@ -434,6 +438,31 @@ def b2(run, table: Table, sides: Sides) -> None:
               1000 * p50, goal, 1000 * p50 <= 30, unit=" ms", details=details)
     table.add("B2", f"{name} p95", fmt_ms(percentile(s_t, 95)), fmt_ms(percentile(e_t, 95)),
               1000 * p95, "(info)", None, unit=" ms")
+
+
+def b0(run, table: Table, sides: Sides) -> None:
+    """Issue 3's figure: one request's output tokens/s through the api ÷ the engine alone."""
+    from tests.bench import service as svc
+    name, goal = "single-request tokens/s (api ÷ engine)", "(info)"
+    if sides.engine is None:
+        table.na("B0", name, goal, f"no engine-alone baseline: {sides.engine_error}")
+        return
+    prompt = sides.engine.render(B0_PROMPT)
+    eng, srv = [], []
+    for rep in range(REPS):
+        for side in (("engine", "service") if rep % 2 == 0 else ("service", "engine")):
+            if side == "engine":
+                sides.use_engine()
+                start = time.perf_counter()
+                one = sides.engine.one(prompt, B0_TOKENS)
+                eng.append(one["tokens"] / (one["end"] - start))
+            else:
+                sides.use_service()
+                one = svc.stream_ttft(run, B0_PROMPT, B0_TOKENS)
+                srv.append(one["tokens"] / one["end"])
+    s_rate, e_rate = statistics.median(srv), statistics.median(eng)
+    table.add("B0", name, f"{s_rate:.1f} tok/s", f"{e_rate:.1f} tok/s", s_rate / e_rate, goal, None,
+              details={"service": srv, "engine": eng})
 
 
 def b3(run, table: Table) -> None:

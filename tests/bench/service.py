@@ -122,7 +122,7 @@ def stream_ttft(run: Run, text: str, max_tokens: int, base: str | None = None) -
     body = {"model": run.served, "input": user(text), "max_output_tokens": max_tokens, "temperature": 0,
             "stream": True}
     s = RawStream(base or run.api, "POST", "/lmsp/v1/responses", run.token, body, timeout=600)
-    first, final, deltas, created = None, None, "", None
+    first, final, deltas, created, tokens, end = None, None, "", None, None, None
     for t, _seq, name, data in s.events():
         if name == "response.created" and created is None:
             created = t - s.sent_at
@@ -132,8 +132,9 @@ def stream_ttft(run: Run, text: str, max_tokens: int, base: str | None = None) -
             deltas += json.loads(data)["delta"]
         elif name.startswith("response.") and name.split(".", 1)[1] in (
                 "completed", "incomplete", "failed", "cancelled") or name == "error":
-            final = name
-    return {"ttft": first, "final": final, "text": deltas, "created": created}
+            final, end = name, t - s.sent_at
+            tokens = (json.loads(data).get("usage") or {}).get("output_tokens")
+    return {"ttft": first, "final": final, "text": deltas, "created": created, "tokens": tokens, "end": end}
 
 
 # -- B3: acceptance rate ----------------------------------------------------------------------------------
