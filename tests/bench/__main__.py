@@ -118,7 +118,7 @@ def main() -> None:
         token = stack.token("bench")
         b3_token = stack.token("bench-b3")
 
-        # The api exactly as `lmsp serve` runs it (2 workers x 64 threads, gthread).
+        # The api exactly as `lmsp serve` runs it (gthread, LMSP_API_WORKERS x LMSP_API_THREADS).
         prod = Settings(host="127.0.0.1", port=free_port())
         meta["api"] = f"gunicorn gthread {prod.api_workers} workers x {prod.api_threads} threads"
         api_proc = stack.spawn(_gunicorn_argv(prod), "api-prod.log")
@@ -523,7 +523,7 @@ def b4(run, table: Table) -> None:
     # The production config first; then an api with a thread per follower, to tell the fan-out
     # path's own latency apart from waiting for a free gunicorn thread.
     sized_base = start_api(run.stack, "api-sized.log", workers=2, threads=256)
-    for fid, base, label in (("B4", run.api, "production api 2x64"), ("B4b", sized_base, "api 2x256 threads")):
+    for fid, base, label in (("B4", run.api, "production api, lmsp serve settings"), ("B4b", sized_base, "api 2x256 threads")):
         reps = []
         for rep in range(REPS):
             r = svc.fan_out(run, base, B4_CLIENTS, B4_TOKENS, essay_prompt(rep + 7))
