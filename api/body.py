@@ -51,13 +51,10 @@ def json_body():
         raise LMSPError("invalid_request", "The body must be a JSON object")
     _depth(body, settings.max_json_depth)
     _sizes(body, settings)
-    items = body.get("input")
-    if isinstance(items, dict):  # a task envelope
-        items = items.get("input")
+    inner = body["input"] if isinstance(body.get("input"), dict) else body  # a task wraps the request
+    items, tools = inner.get("input"), inner.get("tools")
     if isinstance(items, list) and len(items) > settings.max_input_items:
         raise LMSPError("invalid_request", f"At most {settings.max_input_items} input items", param="input")
-    tools = body.get("tools") if "tools" in body else (body.get("input") or {}).get("tools") \
-        if isinstance(body.get("input"), dict) else None
     if isinstance(tools, list) and len(tools) > settings.max_tools:
         raise LMSPError("invalid_request", f"At most {settings.max_tools} tools", param="tools")
     return body

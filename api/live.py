@@ -61,7 +61,6 @@ class Hub:
         self._subs: dict[str, set[Subscription]] = defaultdict(set)
         self._pubsub = None
         self._thread = None
-        self.generation = 0  # bumped when the Redis connection was lost: followers must re-read the log
 
     @property
     def live(self) -> bool:
@@ -127,7 +126,6 @@ class Hub:
                 self._pubsub.subscribe("lmsp:hub", *(CHANNEL + rid for rid in self._subs))
             except (redis.RedisError, OSError):
                 return
-            self.generation += 1
             for subs in self._subs.values():
                 for sub in subs:
                     sub.queue.put([])  # wake followers so they read the log for what they missed
