@@ -15,22 +15,25 @@ INTERACTIVE, BACKGROUND = 0, 6
 
 def make_celery(settings: Settings) -> Celery:
     app = Celery("lmsp", broker=settings.broker, set_as_current=False)
-    options: dict = {"visibility_timeout": 24 * 3600}
+    options: dict = {}
     if settings.broker.startswith("filesystem"):
         folder = settings.broker_folder
         folder.mkdir(parents=True, exist_ok=True)
         # The default 1 s poll would add up to a second to every request on one machine.
         options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "polling_interval": 0.05}
     else:
-        options.update({"priority_steps": list(range(10)), "sep": ":", "queue_order_strategy": "priority"})
+        # No ack emulation: a message leaves Redis when a worker takes it. Postgres decides who runs a task
+        # (the claim) and the sweeper re-sends what may be lost, so Redis needs no unacked set to restore
+        # (kombu's restore of it crashes the worker after a Redis restart) and never redelivers a long task.
+        options.update({"priority_steps": list(range(10)), "sep": ":", "queue_order_strategy": "priority",
+                        "ack_emulation": False})
     app.conf.update(
         broker_transport_options=options,
         broker_connection_retry_on_startup=True,
         task_serializer="json",
         accept_content=["json"],
-        task_acks_late=True,                # a crash mid-task leaves the message to be delivered again ...
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,       # ... and the Postgres claim makes that second delivery a no-op
+        task_acks_late=False,               # acked on receipt: a lost message is re-sent by the sweeper ...
+        worker_prefetch_multiplier=1,       # ... and the Postgres claim makes any second delivery a no-op
         task_ignore_result=True,
         worker_hijack_root_logger=False,
         worker_cancel_long_running_tasks_on_connection_loss=False,

@@ -7,9 +7,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, event
+from sqlalchemy import Float, create_engine, event
 from sqlalchemy.engine import Engine
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql.expression import FunctionElement
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -90,11 +92,12 @@ def ensure_migrated(engine: Engine) -> None:
             f"{current or 'none'}, the code needs {head}: run `lmsp migrate` first")
 
 
-def retrying(fn, *, seconds: float = 300.0, log=None):
+def retrying(fn, *, seconds: float = 300.0, log=None, stop=None):
     """Run ``fn()`` (one whole transaction) again while the database is unreachable.
 
     A Postgres restart must not turn a finished generation into a lost outcome:
-    the caller's transaction is simply replayed once the server is back.
+    the caller's transaction is simply replayed once the server is back. ``stop``
+    (a threading.Event) ends the wait early: the error is raised.
     """
     import time
 
@@ -106,9 +109,26 @@ def retrying(fn, *, seconds: float = 300.0, log=None):
         try:
             return fn()
         except (OperationalError, DBAPIError) as exc:
-            if not (isinstance(exc, OperationalError) or exc.connection_invalidated) or time.monotonic() > deadline:
+            if not (isinstance(exc, OperationalError) or exc.connection_invalidated) or \
+                    time.monotonic() > deadline or (stop is not None and stop.is_set()):
                 raise
             if log is not None:
                 log.warning("database unavailable (%s); retrying", type(exc.orig).__name__)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+class db_now(FunctionElement):
+    """The database's clock in Unix seconds: leases are compared with one clock, never a host's own."""
+    type = Float()
+    inherit_cache = True
+
+
+@compiles(db_now, "postgresql")
+def _db_now_pg(_element, _compiler, **_kw):
+    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(_element, _compiler, **_kw):
+    return "((julianday('now') - 2440587.5) * 86400.0)"

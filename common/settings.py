@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = 5.0
     sweep_seconds: float = 10.0
     requeue_after_seconds: int = 60   # a queued task older than this with no claim is dispatched again
+    drain_seconds: float = 60.0       # SIGTERM: running generations get this long before they are handed on
     # Event pipeline.
     delta_window_ms: float = 20.0     # coalesce token deltas over this window ...
     delta_max_tokens: int = 16        # ... or this many tokens, whichever first

@@ -1,18 +1,43 @@
-"""The task state machine of spec 7.2, applied only through conditional UPDATEs."""
+"""The two state machines: tasks (spec 7.2) and responses (6.2), applied only through conditional UPDATEs.
+
+Only ``common.lifecycle`` calls the transition functions (DESIGN invariant 10).
+"""
 
 import time
+from enum import StrEnum
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-QUEUED, LOADING, RUNNING, CANCELLING = "queued", "loading", "running", "cancelling"
-SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
 
-STATES = (QUEUED, LOADING, RUNNING, CANCELLING, SUCCEEDED, FAILED, CANCELLED)
+class TaskState(StrEnum):
+    QUEUED = "queued"
+    LOADING = "loading"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class ResponseState(StrEnum):
+    QUEUED = "queued"            # a direct response no worker has claimed yet (shown as in_progress)
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+QUEUED, LOADING, RUNNING, CANCELLING = TaskState.QUEUED, TaskState.LOADING, TaskState.RUNNING, TaskState.CANCELLING
+SUCCEEDED, FAILED, CANCELLED = TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED
+
+STATES = tuple(TaskState)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 UNFINISHED = frozenset(STATES) - TERMINAL
+LIVE = frozenset({LOADING, RUNNING, CANCELLING})  # states in which an attempt owns the task
 
-TRANSITIONS: dict[str, frozenset[str]] = {
+TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
     QUEUED: frozenset({LOADING, CANCELLED, FAILED}),
     LOADING: frozenset({RUNNING, CANCELLING, FAILED}),
     RUNNING: frozenset({SUCCEEDED, FAILED, CANCELLING}),
@@ -22,22 +47,33 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     CANCELLED: frozenset(),
 }
 
+R = ResponseState
+RESPONSE_FINAL = frozenset({R.COMPLETED, R.INCOMPLETE, R.FAILED, R.CANCELLED})
+RESPONSE_TRANSITIONS: dict[ResponseState, frozenset[ResponseState]] = {
+    R.QUEUED: frozenset({R.IN_PROGRESS, R.FAILED, R.CANCELLED}),
+    R.IN_PROGRESS: RESPONSE_FINAL,
+    **{final: frozenset() for final in RESPONSE_FINAL},
+}
+
+# The task state a response outcome leaves its task in (an incomplete response is a succeeded task, 7.2).
+TASK_OUTCOME = {R.COMPLETED: SUCCEEDED, R.INCOMPLETE: SUCCEEDED, R.FAILED: FAILED, R.CANCELLED: CANCELLED}
+
 
 def allowed(source: str, target: str) -> bool:
-    return target in TRANSITIONS[source]
+    return target in TRANSITIONS[TaskState(source)]
 
 
-def sources(target: str) -> list[str]:
+def sources(target: str, table=TRANSITIONS) -> list:
     """States from which ``target`` may be reached."""
-    return [s for s, targets in TRANSITIONS.items() if target in targets]
+    return [s for s, targets in table.items() if target in targets]
 
 
-def transition(session: Session, task_id: str, target: str, *, only_from=None, **values) -> bool:
+def transition(session: Session, task_id: str, target: str, *, only_from=None, where=(), **values) -> bool:
     """Move a task to ``target`` with one conditional UPDATE; True if this call won.
 
-    ``only_from`` narrows the allowed source states (e.g. a worker finishing only
-    from ``running``). Two racing callers can never both win, and a terminal task
-    never matches. The caller commits.
+    ``only_from`` narrows the allowed source states; ``where`` adds conditions (the
+    fence: the attempt that must still be current). Two racing callers can never
+    both win, and a terminal task never matches. The caller commits.
     """
     from common.tables import Task  # the table module imports nothing from here
 
@@ -47,8 +83,20 @@ def transition(session: Session, task_id: str, target: str, *, only_from=None, *
     if not allowed_from:
         return False
     now = time.time()
-    stmt = (update(Task).where(Task.id == task_id, Task.status.in_(allowed_from))
+    stmt = (update(Task).where(Task.id == task_id, Task.status.in_(allowed_from), *where)
             .values(status=target, updated_at=now, **values))
     if target in TERMINAL:
         stmt = stmt.values(ended_at=now)
     return session.execute(stmt).rowcount == 1
+
+
+def respond(session: Session, response_id: str, target: str, *, only_from=None, where=(), **values) -> bool:
+    """The same for a response row."""
+    from common.tables import Response
+
+    allowed_from = sources(target, RESPONSE_TRANSITIONS)
+    if only_from is not None:
+        allowed_from = [s for s in allowed_from if s in set(only_from)]
+    stmt = (update(Response).where(Response.id == response_id, Response.status.in_(allowed_from), *where)
+            .values(status=target, updated_at=time.time(), **values))
+    return bool(allowed_from) and session.execute(stmt).rowcount == 1

@@ -42,6 +42,8 @@ class Response(Base):
     stored: Mapped[bool] = mapped_column(Boolean, default=False)
     previous_response_id: Mapped[str | None] = mapped_column(String(40))
     worker_id: Mapped[str | None] = mapped_column(String(200))  # who generates a direct response
+    input_tokens: Mapped[int | None] = mapped_column(Integer)   # counted at the door with the model's tokenizer
+    max_tokens: Mapped[int | None] = mapped_column(Integer)     # the output budget the door granted
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 
@@ -55,12 +57,13 @@ class Task(Base):
     model: Mapped[str] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(20))
     on_restart: Mapped[str] = mapped_column(String(10))
-    attempt: Mapped[int] = mapped_column(Integer, default=0)
-    worker_id: Mapped[str | None] = mapped_column(String(200))
+    attempt: Mapped[int] = mapped_column(Integer, default=0)       # the fencing token: +1 per claim
+    worker_id: Mapped[str | None] = mapped_column(String(200))      # None while queued or handed on
     error: Mapped[dict | None] = mapped_column(Json)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
-    dispatched_at: Mapped[float | None] = mapped_column(Float)
+    dispatched_at: Mapped[float | None] = mapped_column(Float)      # last broker message (database clock)
+    dispatches: Mapped[int] = mapped_column(Integer, default=1)     # messages sent: spaces out re-sends
     ended_at: Mapped[float | None] = mapped_column(Float)
     events_expired: Mapped[bool] = mapped_column(Boolean, default=False)
 
@@ -101,3 +104,4 @@ class Worker(Base):
     started_at: Mapped[float] = mapped_column(Float)
     stopped_at: Mapped[float | None] = mapped_column(Float)
     running: Mapped[int] = mapped_column(Integer, default=0)  # engine requests in flight at the last heartbeat
+    ready: Mapped[bool] = mapped_column(Boolean, default=True)  # engine loaded and claiming

@@ -1,23 +1,32 @@
 """What one worker process holds: its identity, its engine, its database and event plumbing."""
 
+import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import redis
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from common.bus import Publisher
+from common.db import retrying, transaction
+from common.lifecycle import Attempt
 from common.registry import ModelSpec
 from common.settings import Settings
-from worker.writer import EventWriter
+
+log = logging.getLogger("lmsp.worker")
 
 
 @dataclass
 class Inflight:
-    request_id: str
-    direct: bool
+    """One attempt this process runs, from its claim to its final event."""
+    attempt: Attempt
+    request_id: str | None = None   # the engine request, once submitted
     cancelled: bool = False
+    fenced: bool = False            # another worker owns the task now: write nothing more
+    write_error: dict | None = None  # an event of it could not be logged: it fails alone
 
 
 @dataclass
@@ -28,23 +37,97 @@ class WorkerContext:
     sessions: sessionmaker[Session]
     celery: Celery
     publisher: Publisher
-    writer: EventWriter
-    engine: "object"  # worker.engine.EngineHost
-    stopping: threading.Event = field(default_factory=threading.Event)
-    inflight: dict[str, Inflight] = field(default_factory=dict)   # response id -> engine request
+    writer: "object"  # worker.writer.EventWriter
+    engine: "object"  # worker.engine.EngineHost; replaced when the engine is restarted
+    stopping: threading.Event = field(default_factory=threading.Event)   # the process is ending
+    draining: threading.Event = field(default_factory=threading.Event)   # SIGTERM: claim nothing more
+    engine_ok: threading.Event = field(default_factory=threading.Event)  # the engine can take requests
+    attempts: dict[str, Inflight] = field(default_factory=dict)         # response id -> attempt
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # Recovered tasks run here, beside the Celery pool, in the same engine batch.
-    recovered: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(16, "lmsp-recovered"))
+    new_engine: Callable[[], object] | None = None  # loads a fresh engine (after the old one died)
+    db_ok_since: float | None = None    # monotonic time of the first heartbeat after a database outage
+    _broker_run_id: str | None = None
+    _broker_client: "redis.Redis | None" = None
+
+    def settled(self) -> bool:
+        """Connected long enough that live workers have heartbeated again: only then judge leases."""
+        return self.db_ok_since is not None and \
+            time.monotonic() - self.db_ok_since >= 2 * self.settings.heartbeat_seconds + 1
+
+    def broker_restarted(self) -> bool:
+        """True once after the Redis broker came back empty (its run id changed)."""
+        if not self.settings.broker.startswith(("redis://", "rediss://")):
+            return False
+        if self._broker_client is None:
+            self._broker_client = redis.Redis.from_url(self.settings.broker, socket_timeout=2,
+                                                       socket_connect_timeout=2)
+        try:
+            run_id = self._broker_client.info("server")["run_id"]
+        except redis.RedisError:
+            return False
+        changed = self._broker_run_id is not None and run_id != self._broker_run_id
+        self._broker_run_id = run_id
+        return changed
 
     @property
     def log_direct(self) -> bool:
         """Without Redis a direct stream's events travel through the log too."""
         return not self.publisher.live
 
-    def cancel(self, response_id: str) -> None:
+    def ready(self) -> bool:
+        """Engine loaded and claiming: what /models and the readiness probe report."""
+        return self.engine_ok.is_set() and self.writer.alive and not (
+            self.draining.is_set() or self.stopping.is_set())
+
+    def write(self, fn):
+        """``fn(session)`` as one transaction, replayed while Postgres is unreachable (for as long as
+        it takes: the fence decides, once it is back, whether this worker still owns the work); what it
+        returns is published after the commit."""
+        def attempt():
+            with transaction(self.sessions) as session:
+                return fn(session)
+        result = retrying(attempt, seconds=float("inf"), log=log, stop=self.stopping)
+        publish = result[1] if isinstance(result, tuple) else result
+        if isinstance(publish, dict) and publish:
+            self.publisher.publish_many(publish)
+        return result
+
+    def register(self, attempt: Attempt) -> Inflight:
+        entry = Inflight(attempt)
         with self.lock:
-            entry = self.inflight.get(response_id)
-            if entry is None or entry.cancelled:
+            self.attempts[attempt.response_id] = entry
+        return entry
+
+    def release(self, attempt: Attempt) -> None:
+        with self.lock:
+            if (entry := self.attempts.get(attempt.response_id)) is not None and entry.attempt == attempt:
+                del self.attempts[attempt.response_id]
+
+    def running_ids(self) -> set[str]:
+        with self.lock:
+            return set(self.attempts)
+
+    def _stop(self, response_id: str, **flags) -> None:
+        with self.lock:
+            entry = self.attempts.get(response_id)
+            if entry is None:
                 return
-            entry.cancelled = True
-        self.engine.abort(entry.request_id)
+            for name, value in flags.items():
+                setattr(entry, name, value)
+            request_id = entry.request_id
+        if request_id is not None:
+            self.engine.abort(request_id)
+
+    def cancel(self, response_id: str) -> None:
+        self._stop(response_id, cancelled=True)
+
+    def lose(self, attempt: Attempt, write_error: dict | None = None) -> None:
+        """The attempt can no longer write (fenced, or its events were refused): stop generating."""
+        if write_error is None:
+            log.warning("attempt %s of %s was taken over; aborting its generation", attempt.number,
+                        attempt.task_id or attempt.response_id)
+            self._stop(attempt.response_id, fenced=True)
+        else:
+            log.error("events of %s could not be logged (%s); it fails alone", attempt.response_id,
+                      write_error["detail"])
+            self._stop(attempt.response_id, write_error=write_error)

@@ -175,6 +175,11 @@ class EngineHost:
     def running(self) -> int:
         return len(self._pumps)
 
+    @property
+    def dead(self) -> bool:
+        """The engine core died (killed, out of memory, a CUDA error): no request can run any more."""
+        return self._llm is None or self._llm.errored
+
     def tokenizer(self):
         return self._llm.get_tokenizer()
 

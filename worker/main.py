@@ -1,8 +1,8 @@
 """``lmsp worker --model ID``: one Celery worker (threads pool) hosting one vLLM engine.
 
 Order matters: end any engine a killed predecessor left behind, load the engine,
-apply restart policies to this worker's unfinished tasks, announce the worker
-(heartbeat), and only then consume the model's queue.
+hand on this worker's unfinished tasks by their restart policy, announce the
+worker (heartbeat), and only then consume the model's queue.
 """
 
 import argparse
@@ -48,17 +48,24 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
     killed = kill_stale_engines(worker_id)
     if killed:
         log.warning("ended %d engine processes left by a previous run of %s", len(killed), worker_id)
-    log.info("loading %s from %s", spec.id, spec.checkpoint)
     # Background tasks fill at most max_num_seqs engine slots (the Celery pool's size); the engine
     # has a few more, so an interactive request is admitted at once even under a full queue.
     engine_args = {**spec.engine, "max_num_seqs": spec.max_num_seqs + interactive_reserve(spec.max_num_seqs)}
-    host = EngineHost(spec.checkpoint, engine_args, tag=worker_id)
-    host.start()
+
+    def new_engine() -> EngineHost:
+        log.info("loading %s from %s", spec.id, spec.checkpoint)
+        host = EngineHost(spec.checkpoint, engine_args, tag=worker_id)
+        host.start()
+        return host
+
     sessions = session_factory(engine)
     publisher = Publisher(settings.redis_url)
-    return WorkerContext(settings=settings, worker_id=worker_id, spec=spec, sessions=sessions,
-                         celery=make_celery(settings), publisher=publisher,
-                         writer=EventWriter(sessions, publisher), engine=host)
+    ctx = WorkerContext(settings=settings, worker_id=worker_id, spec=spec, sessions=sessions,
+                        celery=make_celery(settings), publisher=publisher, writer=None,
+                        engine=new_engine(), new_engine=new_engine)
+    ctx.writer = EventWriter(sessions, publisher, ctx.lose, ctx.stopping)
+    ctx.engine_ok.set()
+    return ctx
 
 
 def serve(ctx: WorkerContext) -> None:
@@ -69,12 +76,13 @@ def serve(ctx: WorkerContext) -> None:
         try:
             runner.run_task(ctx, task_id)
         except runner.EngineStopped:
-            pass  # the task stays unfinished; its restart policy applies when a worker comes back
+            pass  # the drain (or the next boot) hands the task on
 
     @worker_shutting_down.connect
     def _stop(**_):
-        # Celery's warm shutdown would wait for generations that may run for hours (and hangs while
-        # the engine lives): stop the engine now; unfinished tasks get their on_restart policy.
+        # Celery's warm shutdown would wait for generations that may run for hours: drain within the
+        # grace, hand the rest on, then stop the engine.
+        recovery.drain(ctx)
         ctx.stopping.set()
         ctx.engine.shutdown()
 
@@ -88,10 +96,14 @@ def serve(ctx: WorkerContext) -> None:
                          "-n", f"{ctx.worker_id}@{socket.gethostname()}", "--without-gossip",
                          "--without-mingle", "--without-heartbeat", "-l", "INFO"])
     finally:
+        clean = ctx.stopping.is_set()
         ctx.stopping.set()
         ctx.engine.shutdown()
         ctx.writer.stop()
         recovery.heartbeat(ctx, stopped=True)
+    if not clean:
+        # Celery returned without being asked to stop: never exit 0 then, so a supervisor restarts us.
+        sys.exit("lmsp worker: the Celery consumer stopped unexpectedly")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,122 +1,109 @@
-"""Restart semantics (7.5), leases, and the periodic sweeper every worker runs.
+"""Restart semantics (7.5), leases, and the background threads every worker runs.
 
-On boot a worker applies each of its unfinished tasks' ``on_restart`` policy;
-the sweeper does the same for workers whose lease expired, re-dispatches
-queued tasks whose broker message was lost, and enforces retention.
+Every non-final state has an owner that moves it on (DESIGN invariant 8): at
+boot a worker hands on its own unfinished tasks by their ``on_restart`` policy;
+its sweeper does the same for workers whose lease expired, finishes
+cancellations nobody runs, and re-sends broker messages that may be lost; its
+engine watch stops claiming when the engine dies and brings a new one up.
 """
 
 import logging
+import os
 import threading
 import time
 
-from sqlalchemy import delete, select, update
+import redis
+from sqlalchemy import delete, select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from common import eventlog, events
-from common.broker import BACKGROUND, dispatch, queue_length
-from common.errors import problem
-from common.events import dumps
-from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, TERMINAL, transition
-from common.tables import IdempotencyRecord, Response, Task, Worker
+from common import eventlog, lifecycle
+from common.broker import BACKGROUND, dispatch
+from common.db import transaction
+from common.registry import queue_name
+from common.states import CANCELLING, LIVE
+from common.tables import IdempotencyRecord, Response, Task
+from worker import runner
 from worker.context import WorkerContext
-from worker.runner import EngineStopped, cancelling_tasks, run_recovered, unfinished_direct, write_final
 
 log = logging.getLogger("lmsp.recovery")
 
 
-def apply_policy(ctx: WorkerContext, task_id: str) -> None:
-    """This worker owns an unfinished task whose previous run died."""
+def recover_own(ctx: WorkerContext) -> None:
+    """At boot: whatever this worker id ran before it restarted is handed on by its policy."""
+    fail_direct(ctx, [ctx.worker_id])
     with ctx.sessions() as session:
-        task = session.get(Task, task_id)
-        if task is None or task.status in TERMINAL or task.status == QUEUED:
-            return
-        batch = None
-        if task.status == CANCELLING:
-            if transition(session, task_id, CANCELLED, only_from=[CANCELLING]):
-                batch = write_final(session, task.response_id, "cancelled")
-        elif task.on_restart == "fail":
-            error = problem("server_restarted", "The worker running this task restarted; "
-                            "submit it again (or use on_restart retry/resume)")
-            if transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error):
-                batch = write_final(session, task.response_id, "failed", error)
-        else:
-            ctx.recovered.submit(_run_recovered, ctx, task_id, task.on_restart == "resume")
-        session.commit()
-    if batch:
-        ctx.publisher.publish(task.response_id, batch)
-
-
-def _run_recovered(ctx, task_id, resume):
-    try:
-        run_recovered(ctx, task_id, resume)
-    except EngineStopped:
-        pass
-    except Exception:  # noqa: BLE001 - a thread must not die silently
-        log.exception("recovered task %s failed", task_id)
+        rows = session.execute(select(Task.id, Task.attempt).where(
+            Task.worker_id == ctx.worker_id, Task.status.in_(LIVE))).all()
+    for task_id, attempt in rows:
+        log.info("applying on_restart to %s", task_id)
+        runner.hand_on(ctx, task_id, attempt, "The worker running this task restarted")
 
 
 def fail_direct(ctx: WorkerContext, worker_ids: list[str]) -> None:
-    """Direct responses of a dead worker: their client is waiting; end its stream with response.failed."""
-    error = problem("server_restarted", "The worker generating this response stopped; send the request again")
-    with ctx.sessions() as session:
-        rows = list(session.execute(update(Response).where(
-            Response.worker_id.in_(worker_ids), Response.status == "in_progress",
-            ~Response.id.in_(select(Task.response_id))).values(
-            status="failed", error=error, updated_at=time.time()).returning(Response.id)).scalars())
-        session.commit()
-    for rid in rows:
-        name, data = events.final(rid, "failed", error=error)
-        ctx.publisher.publish(rid, [(events.UNNUMBERED, name, dumps(data))])
-
-
-def recover_own(ctx: WorkerContext) -> None:
-    fail_direct(ctx, [ctx.worker_id])
-    with ctx.sessions() as session:
-        ids = list(session.execute(select(Task.id).where(
-            Task.worker_id == ctx.worker_id, Task.status.in_((LOADING, RUNNING, CANCELLING)))).scalars())
-    for task_id in ids:
-        log.info("applying on_restart to %s", task_id)
-        apply_policy(ctx, task_id)
+    """Direct responses of a dead worker: their client is waiting; its stream ends with response.failed."""
+    error = lifecycle.restarted_error("The worker generating this response stopped; send the request again")
+    ctx.write(lambda s: (lifecycle.fail_direct(s, worker_ids, error), {}))
 
 
 def take_over_dead(ctx: WorkerContext) -> None:
-    """Tasks of workers whose lease expired: claim each with a compare-and-set, then apply its policy."""
-    cutoff = time.time() - ctx.settings.lease_seconds
+    """Tasks of workers whose lease expired, whatever model they run: each handed on by its policy,
+    the lease re-checked by the database's clock in the same statement."""
+    if not ctx.settled():
+        return  # back from a database outage: every heartbeat looks old until the live ones write again
     with ctx.sessions() as session:
-        dead = list(session.execute(select(Worker.id).where(Worker.heartbeat_at < cutoff)).scalars())
-        dead = [w for w in dead if w != ctx.worker_id]
-        if not dead:
-            return
+        dead = lifecycle.expired_workers(session, ctx.settings.lease_seconds, ctx.worker_id)
+    if not dead:
+        return
     fail_direct(ctx, dead)
     with ctx.sessions() as session:
-        rows = session.execute(select(Task.id, Task.worker_id, Task.status, Task.model).where(
-            Task.worker_id.in_(dead), Task.status.in_((LOADING, RUNNING, CANCELLING)))).all()
-    for task_id, owner, status, model in rows:
-        if model != ctx.spec.id and status != CANCELLING:
-            continue  # only a worker of the same model can run it again
-        with ctx.sessions() as session:
-            won = session.execute(update(Task).where(Task.id == task_id, Task.worker_id == owner)
-                                  .values(worker_id=ctx.worker_id)).rowcount
-            session.commit()
-        if won:
-            log.info("took over %s from %s (lease expired)", task_id, owner)
-            apply_policy(ctx, task_id)
+        rows = session.execute(select(Task.id, Task.attempt, Task.worker_id).where(
+            Task.worker_id.in_(dead), Task.status.in_(LIVE))).all()
+    for task_id, attempt, owner in rows:
+        try:
+            _take_over(ctx, task_id, attempt, owner)
+        except SQLAlchemyError as exc:  # e.g. the paused owner still holds the row: next sweep
+            log.warning("take-over of %s skipped (%s)", task_id, type(exc).__name__)
+
+
+def _take_over(ctx: WorkerContext, task_id: str, attempt: int, owner: str) -> None:
+    error = lifecycle.restarted_error(f"The worker {owner} running this task stopped; submit it again "
+                                      "(or use on_restart retry/resume)")
+    with transaction(ctx.sessions) as session:
+        if session.bind.dialect.name == "postgresql":
+            # A paused owner may hold the row inside a commit: do not wait for it here.
+            session.execute(text("SET LOCAL lock_timeout = '2s'"))
+        send, publish = lifecycle.hand_on(session, task_id, error=error, attempt=attempt,
+                                          owner_expired_after=ctx.settings.lease_seconds)
+        model = session.get(Task, task_id).model if send else None
+    if send or publish:
+        log.info("took over %s from %s (lease expired)", task_id, owner)
+    ctx.publisher.publish_many(publish)
+    if model is not None:
+        dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
+
+
+def finish_orphan_cancels(ctx: WorkerContext) -> None:
+    """``cancelling`` with nobody running it: handed on (no owner), or ours but not running here."""
+    running = ctx.running_ids()
+    with ctx.sessions() as session:
+        rows = session.execute(select(Task.id, Task.attempt, Task.response_id, Task.worker_id).where(
+            Task.status == CANCELLING, (Task.worker_id == ctx.worker_id) | Task.worker_id.is_(None))).all()
+    for task_id, attempt, response_id, owner in rows:
+        if owner == ctx.worker_id and response_id in running:
+            ctx.cancel(response_id)
+        else:
+            runner.hand_on(ctx, task_id, attempt, "cancelled")
 
 
 def redispatch_lost(ctx: WorkerContext) -> None:
-    """Queued tasks whose broker message vanished (Redis restarted empty) are sent again."""
-    cutoff = time.time() - ctx.settings.requeue_after_seconds
-    with ctx.sessions() as session:
-        ids = list(session.execute(select(Task.id).where(
-            Task.model == ctx.spec.id, Task.status == QUEUED, Task.dispatched_at < cutoff)).scalars())
-    if not ids or queue_length(ctx.celery, ctx.settings, ctx.spec.queue) > 0:
-        return
-    log.info("re-dispatching %d queued tasks whose messages are gone", len(ids))
+    """Tasks of this model whose broker message may be lost are sent again, each on its own clock;
+    all at once when the broker restarted (it keeps nothing). The claim makes a copy harmless."""
+    force = ctx.broker_restarted()
+    ids = ctx.write(lambda s: (lifecycle.due_dispatches(s, ctx.spec.id, ctx.settings.requeue_after_seconds,
+                                                        force=force), {}))[0]
+    if ids:
+        log.info("re-sending %d broker messages%s", len(ids), " (the broker restarted)" if force else "")
     for task_id in ids:
-        with ctx.sessions() as session:
-            session.execute(update(Task).where(Task.id == task_id, Task.status == QUEUED)
-                            .values(dispatched_at=time.time()))
-            session.commit()
         dispatch(ctx.celery, ctx.spec.queue, {"task_id": task_id}, BACKGROUND)
 
 
@@ -145,13 +132,68 @@ def enforce_retention(ctx: WorkerContext) -> None:
 
 
 def heartbeat(ctx: WorkerContext, stopped: bool = False) -> None:
-    now = time.time()
+    if not ctx.writer.alive and not stopped:
+        return  # a worker that cannot log events must look dead, so its tasks are taken over
+    try:
+        with transaction(ctx.sessions) as session:
+            lifecycle.heartbeat(session, ctx.worker_id, ctx.spec.id, running=ctx.engine.running(),
+                                ready=ctx.ready(), stopped=stopped)
+    except SQLAlchemyError:
+        ctx.db_ok_since = None
+        raise
+    if ctx.db_ok_since is None:
+        ctx.db_ok_since = time.monotonic()
+
+
+def watch_engine(ctx: WorkerContext) -> None:
+    """A dead engine makes this worker stop claiming (its running attempts are handed on by their
+    policy, in their own threads), then a new engine is loaded; a writer that died ends the process."""
+    if not ctx.writer.alive:
+        log.critical("event writer is gone; exiting so a supervisor restarts this worker")
+        ctx.stopping.set()
+        ctx.engine.shutdown()
+        os._exit(70)
+    if not ctx.engine_ok.is_set() or not ctx.engine.dead or ctx.stopping.is_set():
+        return
+    log.error("the engine died; not claiming until a new one is loaded")
+    ctx.engine_ok.clear()
+    heartbeat(ctx)  # /models shows it unavailable now
+    deadline = time.monotonic() + 60
+    while ctx.running_ids() and time.monotonic() < deadline:
+        time.sleep(0.2)  # each attempt sees the engine error and hands its task on
+    try:
+        ctx.engine.shutdown()
+    except Exception:  # noqa: BLE001 - it is dead already
+        log.warning("shutting the dead engine down failed", exc_info=True)
+    try:
+        ctx.engine = ctx.new_engine()
+    except Exception:  # noqa: BLE001
+        log.critical("cannot load a new engine; exiting so a supervisor restarts this worker", exc_info=True)
+        ctx.stopping.set()
+        os._exit(71)
+    ctx.engine_ok.set()
+    log.info("a new engine is loaded; claiming again")
+    heartbeat(ctx)
+
+
+def drain(ctx: WorkerContext) -> None:
+    """SIGTERM: claim nothing more, let running generations finish within the grace, then hand every
+    unfinished task on now (no lease wait)."""
+    started = time.monotonic()
+    ctx.draining.set()
+    try:
+        heartbeat(ctx)
+    except SQLAlchemyError:
+        pass
+    deadline = started + ctx.settings.drain_seconds
+    while ctx.running_ids() and time.monotonic() < deadline:
+        time.sleep(0.2)
     with ctx.sessions() as session:
-        values = {"heartbeat_at": now, "model": ctx.spec.id, "stopped_at": now if stopped else None,
-                  "running": 0 if stopped else ctx.engine.running()}
-        if session.execute(update(Worker).where(Worker.id == ctx.worker_id).values(**values)).rowcount == 0:
-            session.add(Worker(id=ctx.worker_id, started_at=now, **values))
-        session.commit()
+        rows = session.execute(select(Task.id, Task.attempt).where(
+            Task.worker_id == ctx.worker_id, Task.status.in_(LIVE))).all()
+    for task_id, attempt in rows:
+        runner.hand_on(ctx, task_id, attempt, "The worker running this task was stopped before it finished")
+    log.info("drained in %.1f s; %d tasks handed on", time.monotonic() - started, len(rows))
 
 
 def _every(ctx: WorkerContext, seconds: float, fn, name: str) -> threading.Thread:
@@ -170,12 +212,21 @@ def _every(ctx: WorkerContext, seconds: float, fn, name: str) -> threading.Threa
 
 def sweep(ctx: WorkerContext) -> None:
     take_over_dead(ctx)
+    finish_orphan_cancels(ctx)
     redispatch_lost(ctx)
     enforce_retention(ctx)
 
 
 def watch_cancellations(ctx: WorkerContext) -> None:
-    for rid in cancelling_tasks(ctx) + unfinished_direct(ctx):
+    running = ctx.running_ids()
+    if not running:
+        return
+    with ctx.sessions() as session:
+        ids = list(session.execute(select(Response.id).where(
+            Response.id.in_(running), Response.status == "cancelled")).scalars())
+        ids += list(session.execute(select(Task.response_id).where(
+            Task.worker_id == ctx.worker_id, Task.status == CANCELLING, Task.response_id.in_(running))).scalars())
+    for rid in ids:
         ctx.cancel(rid)
 
 
@@ -184,6 +235,7 @@ def start_background(ctx: WorkerContext) -> list[threading.Thread]:
         _every(ctx, ctx.settings.heartbeat_seconds, heartbeat, "lmsp-heartbeat"),
         _every(ctx, ctx.settings.sweep_seconds, sweep, "lmsp-sweeper"),
         _every(ctx, 0.5, watch_cancellations, "lmsp-cancel-watch"),
+        _every(ctx, 1.0, watch_engine, "lmsp-engine-watch"),
     ]
     if ctx.publisher.live:
         threads.append(threading.Thread(target=_control_listener, args=(ctx,), name="lmsp-control", daemon=True))
@@ -193,8 +245,6 @@ def start_background(ctx: WorkerContext) -> list[threading.Thread]:
 
 def _control_listener(ctx: WorkerContext) -> None:
     """Redis hint from the api: abort this response now (the watcher catches it anyway)."""
-    import redis
-
     while not ctx.stopping.is_set():
         try:
             pubsub = ctx.publisher.client.pubsub(ignore_subscribe_messages=True)

@@ -1,21 +1,26 @@
-"""Running one response on the engine: claim, stream events, finish with exactly one final event."""
+"""Running one response on the engine: claim, stream events, finish with exactly one final event.
+
+Every write goes through ``common.lifecycle`` with this worker's attempt, so a
+worker that lost its task stops at its next write (DESIGN invariant 4).
+"""
 
 import json
 import logging
 import time
-from contextlib import contextmanager
 
-from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 
-from common import eventlog, events
-from common.db import retrying
+from common import events, lifecycle
+from common.broker import BACKGROUND, dispatch
 from common.errors import problem
 from common.events import dumps
+from common.lifecycle import Attempt, Fenced
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest
-from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, SUCCEEDED, transition
+from common.registry import queue_name
+from common.states import R
 from common.tables import Response, Task
-from worker.context import Inflight, WorkerContext
+from worker.context import WorkerContext
 from worker.engine import GenParams
 from worker.output import OutputBuilder
 
@@ -27,19 +32,22 @@ class EngineStopped(Exception):
     """The worker is shutting down; the task stays unfinished for its restart policy."""
 
 
-class Job:
-    def __init__(self, ctx: WorkerContext, response: Response, task: Task | None, start_seq: int):
-        self.ctx = ctx
-        self.task = task
-        self.rid = response.id
-        self.request_data = response.request
-        self.req = ResponseRequest.model_validate({k: v for k, v in response.request.items()
-                                                   if not k.startswith("_")})
-        self.seq = start_seq
-        self.logged = task is not None or ctx.log_direct
-        self.attempt = task.attempt if task else 1
+class EngineLost(Exception):
+    """The engine died under this request; the attempt is handed on, not failed."""
 
-    # -- event plumbing ---------------------------------------------------------------
+
+class Job:
+    def __init__(self, ctx: WorkerContext, attempt: Attempt, response: Response, last_seq: int):
+        self.ctx = ctx
+        self.attempt = attempt
+        self.rid = response.id
+        self.response = response
+        self.req = ResponseRequest.model_validate(response.request)
+        self.seq = last_seq
+        self.logged = attempt.task_id is not None or ctx.log_direct
+        self.entry = ctx.register(attempt)
+
+    # -- event plumbing ---------------------------------------------------------------------
     def number(self, emitted) -> list[tuple[int, str, str]]:
         batch = []
         for name, data in emitted:
@@ -52,237 +60,179 @@ class Job:
         if not batch:
             return
         if self.logged:
-            self.ctx.writer.submit(self.rid, batch)
+            self.ctx.writer.submit(self.attempt, batch)
         else:
             self.ctx.publisher.publish(self.rid, batch)
 
-    # -- generation ---------------------------------------------------------------------
+    # -- generation ---------------------------------------------------------------------------
+    def constrained(self) -> bool:
+        return tool_mode(self.req) not in ("none", "auto") or self.req.json_schema is not None
+
     def builder(self) -> OutputBuilder:
         mode = {"none": "text", "auto": "tool_auto"}.get(tool_mode(self.req), "tool_forced")
         return OutputBuilder(self.rid, mode, reasoning=self.ctx.spec.reasoning_parser is not None)
 
     def run(self, builder: OutputBuilder, prior_output_tokens: int = 0) -> None:
-        ctx, settings = self.ctx, self.ctx.settings
-        tokenizer = ctx.engine.tokenizer()
-        max_tokens = self.request_data["_max_tokens"] - prior_output_tokens
+        try:
+            self._run(builder, prior_output_tokens)
+        finally:
+            self.ctx.release(self.attempt)
+
+    def _run(self, builder: OutputBuilder, prior_output_tokens: int) -> None:
+        ctx, settings, entry = self.ctx, self.ctx.settings, self.entry
+        engine = ctx.engine
+        tokenizer = engine.tokenizer()
+        max_tokens = self.response.max_tokens - prior_output_tokens
         schema = tool_call_schema(self.req) or self.req.json_schema
         temperature = self.req.temperature if self.req.temperature is not None else ctx.spec.default_temperature
         params = GenParams(max_tokens=max(max_tokens, 1), temperature=temperature, json_schema=schema,
-                           priority=TASK_PRIORITY if self.task else DIRECT_PRIORITY)
+                           priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY)
         prompt = render(tokenizer, self.req, continuation=builder.raw)
-        request_id = f"{self.rid}:{self.attempt}:{time.monotonic_ns()}"
-        entry = Inflight(request_id, direct=self.task is None)
-        with ctx.lock:
-            ctx.inflight[self.rid] = entry
         output_tokens, finish_reason, error = prior_output_tokens, None, None
         window, max_window_tokens = settings.delta_window_ms / 1000, settings.delta_max_tokens
         pending, pending_tokens, last_flush, started = "", 0, 0.0, False
+        with ctx.lock:
+            entry.request_id = f"{self.rid}:{self.attempt.number}:{time.monotonic_ns()}"
         try:
             if max_tokens <= 0:
                 finish_reason = "length"
-            else:
-                for delta in ctx.engine.generate(request_id, prompt, params):
+            elif not (entry.cancelled or entry.fenced):
+                for delta in engine.generate(entry.request_id, prompt, params):
                     if not started:
                         started = True
-                        if self.task is not None and not self._mark_running():
+                        if self.attempt.task_id is not None and not ctx.write(
+                                lambda s: lifecycle.start(s, self.attempt)):
                             entry.cancelled = True
                             break
                     output_tokens += delta.token_ids
-                    pending += delta.text
+                    # Postgres refuses NUL in JSON; the model's NUL is noise, shown as U+FFFD.
+                    pending += delta.text.replace("\x00", "\ufffd")
                     pending_tokens += delta.token_ids
                     now = time.monotonic()
                     if delta.finish_reason or now - last_flush >= window or pending_tokens >= max_window_tokens:
                         self.emit(builder.feed(pending))
                         pending, pending_tokens, last_flush = "", 0, now
                     finish_reason = delta.finish_reason or finish_reason
-                    if entry.cancelled:
+                    if entry.cancelled or entry.fenced or entry.write_error:
                         break
                 if pending:
                     self.emit(builder.feed(pending))
+        except Fenced:
+            entry.fenced = True
         except Exception as exc:  # noqa: BLE001 - any engine failure ends the response as failed
             if ctx.stopping.is_set():
                 raise EngineStopped() from exc
+            if engine.dead:
+                raise EngineLost() from exc
             log.exception("generation failed for %s", self.rid)
             error = problem("generation_failed", f"The engine failed: {type(exc).__name__}")
-        finally:
-            with ctx.lock:
-                ctx.inflight.pop(self.rid, None)
+        if entry.fenced:
+            return
         if ctx.stopping.is_set() and not entry.cancelled and finish_reason is None:
             raise EngineStopped()
         if entry.cancelled or finish_reason == "abort":
-            status = "cancelled"
+            status = R.CANCELLED
         elif error is not None:
-            status = "failed"
+            status = R.FAILED
         elif finish_reason == "length":
-            status = "incomplete"
+            status = R.INCOMPLETE
         else:
-            status = "completed"
-        emitted = builder.finish() if status != "failed" else []
-        usage = {"input_tokens": self.request_data["_input_tokens"], "output_tokens": output_tokens,
-                 "total_tokens": self.request_data["_input_tokens"] + output_tokens}
+            status = R.COMPLETED
+        emitted = builder.finish() if status != R.FAILED else []
+        usage = {"input_tokens": self.response.input_tokens, "output_tokens": output_tokens,
+                 "total_tokens": self.response.input_tokens + output_tokens}
         self.finish(status, emitted, builder.items, usage, error)
 
-    def _mark_running(self) -> bool:
-        """loading -> running at the first token; False when a cancel got there first."""
-        def attempt():
-            with self.ctx.sessions() as session:
-                won = transition(session, self.task.id, RUNNING, only_from=[LOADING])
-                session.commit()
-                # A recovered task may already be running: that is ours to continue.
-                return won or session.get(Task, self.task.id).status == RUNNING
-        return retrying(attempt, log=log)
-
-    # -- the one final event ----------------------------------------------------------------
-    def finish(self, status: str, emitted, output, usage, error) -> None:
-        ctx = self.ctx
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    # -- the one final event ---------------------------------------------------------------------
+    def finish(self, status: R, emitted, output, usage, error) -> None:
+        ctx, entry = self.ctx, self.entry
         if self.logged:
-            ctx.writer.flush()  # every earlier event is in the log before the final one
-        first_seq = self.seq
-
-        def attempt(status=status):
-            self.seq = first_seq  # a replayed transaction numbers its events again
-            with ctx.sessions() as session:
-                if self.task is not None:
-                    status = self._finish_task(session, status, error)
-                    if status is None:
-                        session.rollback()
-                        return None  # someone else finished it (a sweeper after a lease expiry)
-                else:
-                    won = session.execute(update(Response).where(
-                        Response.id == self.rid, Response.status == "in_progress").values(status=status)).rowcount
-                    if not won:
-                        status = "cancelled"  # the client went away and the api marked it
-                name, data = events.final(self.rid, status, usage=usage if status != "cancelled" else None,
-                                          error=error, incomplete_details=incomplete)
-                batch = self.number(list(emitted) + [(name, data)])
-                if self.logged:
-                    eventlog.append(session, self.rid, batch)
-                session.execute(update(Response).where(Response.id == self.rid).values(
-                    status=status, output=output, usage=usage, error=error, incomplete_details=incomplete,
-                    updated_at=time.time()))
-                session.commit()
-            return batch
-
-        batch = retrying(attempt, log=log)
-        if batch:
-            ctx.publisher.publish(self.rid, batch)
-
-    def _finish_task(self, session, status: str, error) -> str | None:
-        task_id = self.task.id
-        if status in ("completed", "incomplete"):
-            if transition(session, task_id, SUCCEEDED, only_from=[RUNNING]):
-                return status
-        elif status == "failed":
-            if transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error):
-                return status
-        # Cancelled, or a cancel won the race against completion: finish the cancellation.
-        transition(session, task_id, CANCELLING, only_from=[LOADING, RUNNING])
-        if transition(session, task_id, CANCELLED, only_from=[CANCELLING]):
-            return "cancelled"
-        return None
+            ctx.writer.flush()  # every earlier event is in the log (or refused) before the final one
+        try:
+            if entry.write_error is None:
+                ctx.write(lambda s: lifecycle.finish(
+                    s, self.attempt, status, first_seq=self.seq + 1, emitted=emitted, output=output,
+                    usage=usage, error=error, logged=self.logged))
+                return
+        except IntegrityError:
+            entry.write_error = problem("generation_failed", "the final event collides with one already logged")
+        except Fenced:
+            log.warning("%s: attempt %s was taken over before it finished; its outcome is dropped",
+                        self.attempt.task_id or self.rid, self.attempt.number)
+            return
+        try:
+            ctx.write(lambda s: lifecycle.fail_write(s, self.attempt, entry.write_error))
+        except Fenced:
+            pass
 
 
 def run_task(ctx: WorkerContext, task_id: str) -> None:
-    """A broker delivery: claim the queued task, or drop a duplicate."""
-    def claim():
-        with ctx.sessions() as session:
-            won = transition(session, task_id, LOADING, only_from=[QUEUED], worker_id=ctx.worker_id,
-                             attempt=Task.attempt + 1)
-            session.commit()
-            if not won:
-                return None  # a duplicate delivery, or cancelled while queued
-            task = session.get(Task, task_id)
-            response = session.get(Response, task.response_id)
-            return response, task, eventlog.max_seq(session, response.id)
-
-    claimed = retrying(claim, log=log)
+    """A broker delivery: claim the task (queued, or handed on mid-run), or drop a duplicate."""
+    if not ctx.ready():
+        # Not claiming (engine down, draining): give the message back for another worker, or for us
+        # once ready again, without spinning.
+        ctx.stopping.wait(1.0)
+        dispatch(ctx.celery, ctx.spec.queue, {"task_id": task_id}, BACKGROUND)
+        return
+    claimed = ctx.write(lambda s: lifecycle.claim(s, task_id, ctx.worker_id))[0]
     if claimed is None:
         return
-    with failing_on_error(ctx, task_id):
-        job = Job(ctx, *claimed)
-        job.run(job.builder())
-
-
-@contextmanager
-def failing_on_error(ctx: WorkerContext, task_id: str):
-    """A bug must not leave a claimed task unfinished forever: fail it with one final event."""
+    last_seq = claimed.log[-1][0] if claimed.log else 1
+    job = Job(ctx, claimed.attempt, claimed.response, last_seq)
     try:
-        yield
-    except EngineStopped:
-        raise
-    except Exception:
-        log.exception("task %s failed unexpectedly", task_id)
-        error = problem("generation_failed", "The worker failed on this task; the error is logged")
-        with ctx.sessions() as session:
-            task = session.get(Task, task_id)
-            if transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error):
-                batch = write_final(session, task.response_id, "failed", error)
-                session.commit()
-                ctx.publisher.publish(task.response_id, batch)
-
-
-def write_final(session, response_id: str, status: str, error=None) -> list:
-    """The final event of a response nobody is generating any more (its writer is gone)."""
-    seq = eventlog.max_seq(session, response_id) + 1
-    name, data = events.final(response_id, status, error=error)
-    batch = [(seq, name, dumps(data))]
-    eventlog.append(session, response_id, batch)
-    session.execute(update(Response).where(Response.id == response_id).values(
-        status=status, error=error, updated_at=time.time()))
-    return batch
-
-
-def run_recovered(ctx: WorkerContext, task_id: str, resume: bool) -> None:
-    """Run again a task this worker owns after a restart: from the start, or from its log."""
-    with ctx.sessions() as session:
-        task = session.get(Task, task_id)
-        if task is None or task.worker_id != ctx.worker_id or task.status not in (LOADING, RUNNING):
-            return
-        session.execute(update(Task).where(Task.id == task_id).values(attempt=Task.attempt + 1))
-        session.commit()
-        session.refresh(task)
-        response = session.get(Response, task.response_id)
-        logged = eventlog.read(session, response.id, 0, limit=10**9)
-    with failing_on_error(ctx, task_id):
-        job = Job(ctx, response, task, logged[-1][0] if logged else 0)
         builder = job.builder()
         prior_tokens = 0
-        if resume:
-            # The snapshot is the latest attempt's logged output: it began at output_index 0.
-            starts = [i for i, (_, name, data) in enumerate(logged)
-                      if name == events.ITEM_ADDED and json.loads(data)["output_index"] == 0]
-            for _, name, data in logged[starts[-1]:] if starts else []:
-                builder.replay(name, json.loads(data))
-            prior_tokens = count_tokens(ctx.engine.tokenizer(), builder.raw) if builder.raw else 0
+        if not claimed.fresh:
+            if claimed.task.on_restart == "resume" and not job.constrained():
+                # The snapshot is the latest attempt's logged output (6: resume is real).
+                for _, name, data in _latest_attempt(claimed.log):
+                    builder.replay(name, json.loads(data))
+                prior_tokens = count_tokens(ctx.engine.tokenizer(), builder.raw) if builder.raw else 0
+            else:
+                # Constrained output cannot continue a partial JSON: a fresh attempt, marked as one.
+                job.emit([(events.ATTEMPT_STARTED, events.attempt_started(job.rid, claimed.attempt.number))])
         job.run(builder, prior_tokens)
+    except EngineStopped:
+        raise  # the task stays with its attempt: the drain or the next boot hands it on
+    except EngineLost:
+        hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed")
+    except Exception:  # noqa: BLE001 - a bug must not leave a claimed task unfinished forever
+        log.exception("task %s failed unexpectedly", task_id)
+        error = problem("generation_failed", "The worker failed on this task; the error is logged")
+        try:
+            ctx.write(lambda s: lifecycle.fail_write(s, claimed.attempt, error))
+        except Fenced:
+            pass
+
+
+def _latest_attempt(log_events):
+    marks = [i for i, (_, name, _) in enumerate(log_events) if name == events.ATTEMPT_STARTED]
+    return log_events[marks[-1] + 1:] if marks else log_events
+
+
+def hand_on(ctx: WorkerContext, task_id: str, attempt: int | None, why: str, **kw) -> None:
+    """Apply a task's on_restart policy after its attempt ended without an outcome; send its message."""
+    error = lifecycle.restarted_error(f"{why}; submit it again (or use on_restart retry/resume)")
+
+    def tx(session):
+        send, publish = lifecycle.hand_on(session, task_id, error=error, attempt=attempt, **kw)
+        return (session.get(Task, task_id).model if send else None), publish
+
+    model, _ = ctx.write(tx)
+    if model is not None:  # it waits for a worker of its model, at the front of the queue
+        dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
 
 
 def run_direct(ctx: WorkerContext, response_id: str) -> None:
-    with ctx.sessions() as session:
-        won = session.execute(update(Response).where(
-            Response.id == response_id, Response.status == "queued").values(
-            status="in_progress", worker_id=ctx.worker_id)).rowcount
-        session.commit()
-        if not won:
-            return
-        response = session.get(Response, response_id)
-    job = Job(ctx, response, None, 0)
+    claimed = ctx.write(lambda s: lifecycle.claim_direct(s, response_id, ctx.worker_id))
+    if claimed is None:
+        return
+    attempt, response = claimed
+    job = Job(ctx, attempt, response, 0)
     job.emit([(events.CREATED, events.created(response_id))])
-    job.run(job.builder())
-
-
-def unfinished_direct(ctx: WorkerContext) -> list[str]:
-    with ctx.lock:
-        ids = [rid for rid, entry in ctx.inflight.items() if entry.direct]
-    if not ids:
-        return []
-    with ctx.sessions() as session:
-        return list(session.execute(select(Response.id).where(
-            Response.id.in_(ids), Response.status == "cancelled")).scalars())
-
-
-def cancelling_tasks(ctx: WorkerContext) -> list[str]:
-    with ctx.sessions() as session:
-        return list(session.execute(select(Task.response_id).where(
-            Task.worker_id == ctx.worker_id, Task.status == CANCELLING)).scalars())
+    try:
+        job.run(job.builder())
+    except EngineLost:
+        # A direct stream cannot be resumed: its client gets response.failed and may send it again.
+        job.finish(R.FAILED, [], None, None, lifecycle.restarted_error(
+            "The engine serving this response failed; send the request again"))

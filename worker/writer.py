@@ -2,51 +2,83 @@
 
 Generation threads never wait for Postgres per token; one writer thread commits
 whatever accumulated while the previous commit ran (DESIGN invariant 2:
-committed before published).
+committed before published). Every batch belongs to an attempt and is logged
+only while that attempt is current (invariant 4). The thread never dies of a
+bad batch: a batch the database refuses fails its own response, nobody else's.
 """
 
 import logging
 import threading
 from collections import defaultdict
 
-from common import eventlog
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from common import lifecycle
 from common.bus import Publisher
-from common.db import retrying
+from common.db import retrying, transaction
+from common.errors import problem
+from common.lifecycle import Attempt
 
 log = logging.getLogger("lmsp.writer")
 Event = tuple[int, str, str]
 
 
+class WriterDead(RuntimeError):
+    pass
+
+
 class EventWriter:
-    def __init__(self, sessions, publisher: Publisher):
+    def __init__(self, sessions, publisher: Publisher, on_lost, stop: threading.Event):
+        """``on_lost(attempt, write_error)``: the attempt's events were refused (write_error None: it was
+        fenced; else the problem it fails with)."""
         self.sessions = sessions
         self.publisher = publisher
+        self.on_lost = on_lost
+        self.stop_event = stop
         self._cond = threading.Condition()
-        self._pending: list[tuple[str, Event]] = []
+        self._pending: list[tuple[Attempt, Event]] = []
         self._submitted = 0
         self._committed = 0
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="lmsp-event-writer", daemon=True)
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="lmsp-event-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, response_id: str, batch: list[Event]) -> None:
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
+    def submit(self, attempt: Attempt, batch: list[Event]) -> None:
         with self._cond:
-            self._pending.extend((response_id, e) for e in batch)
+            if self.dead is not None:
+                raise WriterDead() from self.dead
+            self._pending.extend((attempt, e) for e in batch)
             self._submitted += 1
             self._cond.notify_all()
 
     def flush(self) -> None:
-        """Wait until everything submitted so far is committed."""
+        """Wait until everything submitted so far is committed (or refused)."""
         with self._cond:
             target = self._submitted
             while self._committed < target:
-                self._cond.wait()
+                if self.dead is not None:
+                    raise WriterDead() from self.dead
+                self._cond.wait(1.0)
 
     def stop(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - a bug: say so, and take readiness with it
+            log.critical("the event writer died; this worker stops taking work", exc_info=True)
+            with self._cond:
+                self.dead = exc
+                self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -57,21 +89,46 @@ class EventWriter:
                     return
                 pending, self._pending = self._pending, []
                 upto = self._submitted
-            grouped: dict[str, list[Event]] = defaultdict(list)
-            for rid, event in pending:
-                grouped[rid].append(event)
-            self._commit(grouped)
-            self.publisher.publish_many(grouped)
+            grouped: dict[Attempt, list[Event]] = defaultdict(list)
+            for attempt, event in pending:
+                grouped[attempt].append(event)
+            accepted = self._commit(grouped)
+            self.publisher.publish_many({a.response_id: grouped[a] for a in accepted})
             with self._cond:
                 self._committed = upto
                 self._cond.notify_all()
 
-    def _commit(self, grouped: dict[str, list[Event]]) -> None:
-        def attempt():
-            with self.sessions() as session:
-                for rid, batch in grouped.items():
-                    eventlog.append(session, rid, batch)
-                session.commit()
+    def _commit(self, grouped: dict[Attempt, list[Event]]) -> list[Attempt]:
+        """Log what is still fenced in; return the attempts whose batches were committed."""
+        try:
+            refused = self._retrying(lambda session: lifecycle.append(session, grouped))
+        except SQLAlchemyError:
+            # One batch the database refuses must not stop the others: commit each on its own.
+            return [a for a, batch in grouped.items() if self._commit_one(a, batch)]
+        for attempt in refused:
+            self.on_lost(attempt, None)
+        return [a for a in grouped if a not in refused]
 
+    def _commit_one(self, attempt: Attempt, batch: list[Event]) -> bool:
+        try:
+            if self._retrying(lambda session: lifecycle.append(session, {attempt: batch})):
+                self.on_lost(attempt, None)
+                return False
+            return True
+        except IntegrityError:
+            # A commit whose reply was lost (Postgres restarted) and that we replayed is no error.
+            if self._retrying(lambda session: lifecycle.already_logged(session, attempt.response_id, batch)):
+                return True
+            detail = "an event of this response collides with one already logged"
+        except SQLAlchemyError as exc:
+            detail = f"the database refused an event of this response ({type(getattr(exc, 'orig', None) or exc).__name__})"
+        self.on_lost(attempt, problem("generation_failed", detail))
+        return False
+
+    def _retrying(self, fn):
+        def attempt():
+            with transaction(self.sessions) as session:
+                return fn(session)
         # Postgres restarting: keep the events and try again, never drop them.
-        retrying(attempt, seconds=float("inf"), log=log)
+        return retrying(attempt, seconds=float("inf"), log=log, stop=self.stop_event)
+

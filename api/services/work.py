@@ -1,42 +1,37 @@
 """Creating and controlling work: direct responses and durable tasks.
 
 Every row is committed before the broker hears of it (DESIGN invariant 2);
-Celery messages are sent only after the transaction commits.
+Celery messages are sent only after the transaction commits. Statuses and
+events are written by ``common.lifecycle`` only.
 """
 
-import time
-
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
-from api.services.models import live_workers
 from api.services.validation import Prepared
-from common import eventlog, events
+from common import events, lifecycle
 from common.broker import BACKGROUND, INTERACTIVE, dispatch
 from common.errors import LMSPError
 from common.events import dumps
-from common.ids import new_id
 from common.resources import response_object, task_object
-from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, SUCCEEDED, transition
+from common.states import FAILED, QUEUED, SUCCEEDED, R
 from common.tables import Response, Task
 
 CONTROL_CHANNEL = "lmsp:control"
 
 
-def _response_row(prepared: Prepared, principal: str, status: str, stored: bool) -> Response:
-    now = time.time()
+def _response_row(prepared: Prepared, principal: str, status: R, stored: bool) -> Response:
     req = prepared.request
-    return Response(
-        id=new_id("response"), principal_id=principal, model=prepared.spec.id,
-        request={**req.model_dump(mode="json", by_alias=True, exclude_none=True),
-                 "_input_tokens": prepared.input_tokens, "_max_tokens": prepared.max_tokens},
-        status=status, stored=stored, previous_response_id=req.previous_response_id,
-        created_at=now, updated_at=now)
+    return lifecycle.new_response(
+        principal=principal, model=prepared.spec.id,
+        request=req.model_dump(mode="json", by_alias=True, exclude_none=True),
+        input_tokens=prepared.input_tokens, max_tokens=prepared.max_tokens, status=status, stored=stored,
+        previous_response_id=req.previous_response_id)
 
 
 def ensure_available(svc: Services, session: Session, model_id: str) -> None:
-    if not live_workers(session, svc.settings.lease_seconds).get(model_id):
+    if not lifecycle.live_workers(session, svc.settings.lease_seconds).get(model_id):
         raise LMSPError("model_unavailable", f"No worker serves {model_id} right now; retry later "
                         "or submit a task, which waits in the queue", retry_after=10)
 
@@ -46,8 +41,7 @@ def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
         ensure_available(svc, session, prepared.spec.id)
         # Without capability conversations, store is ignored (6.1).
         stored = prepared.request.store and prepared.spec.public_capabilities()["conversations"]
-        row = _response_row(prepared, principal, "queued", stored)
-        session.add(row)
+        row = lifecycle.create_direct(session, _response_row(prepared, principal, R.QUEUED, stored))
         session.commit()
     dispatch(svc.celery, prepared.spec.interactive_queue, {"response_id": row.id}, INTERACTIVE)
     return row.id
@@ -56,9 +50,7 @@ def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
 def abort_direct(svc: Services, response_id: str) -> None:
     """The client went away: stop generating for it."""
     with svc.sessions() as session:
-        session.execute(update(Response).where(Response.id == response_id,
-                                               Response.status.in_(("queued", "in_progress")))
-                        .values(status="cancelled", updated_at=time.time()))
+        lifecycle.abort_direct(session, response_id)
         session.commit()
     svc.publisher.control(CONTROL_CHANNEL, response_id)
 
@@ -67,7 +59,7 @@ def final_from_row(svc: Services, response_id: str):
     """The final event of a direct response whose stream lost it (its worker died)."""
     with svc.sessions() as session:
         row = session.get(Response, response_id)
-    if row is None or row.status in ("queued", "in_progress"):
+    if row is None or row.status in (R.QUEUED, R.IN_PROGRESS):
         return None
     name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                               incomplete_details=row.incomplete_details)
@@ -94,14 +86,7 @@ def new_task(session: Session, principal: str, prepared: Prepared, on_restart: s
     if on_restart == "resume" and not prepared.spec.public_capabilities()["resume_snapshots"]:
         raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot resume from a "
                         "snapshot; use on_restart fail or retry", param="on_restart")
-    response = _response_row(prepared, principal, "in_progress", True)
-    now = response.created_at
-    task = Task(id=new_id("task"), principal_id=principal, response_id=response.id, type="response",
-                model=prepared.spec.id, status=QUEUED, on_restart=on_restart, attempt=0,
-                created_at=now, updated_at=now, dispatched_at=now, events_expired=False)
-    session.add_all([response, task])  # the unit of work inserts the response first (foreign key)
-    eventlog.append(session, response.id, [(1, events.CREATED, dumps(events.created(response.id)))])
-    return task
+    return lifecycle.create_task(session, _response_row(prepared, principal, R.IN_PROGRESS, True), on_restart)
 
 
 def send_task(svc: Services, task: Task) -> None:
@@ -112,11 +97,7 @@ def send_task(svc: Services, task: Task) -> None:
 
 
 def get_task(session: Session, principal: str, task_id: str) -> Task:
-    task = session.execute(select(Task).where(Task.id == task_id, Task.principal_id == principal)
-                           ).scalar_one_or_none()
-    if task is None:
-        raise LMSPError("task_not_found", f"No task {task_id}")
-    return task
+    return lifecycle.require_task(session, principal, task_id)
 
 
 def task_view(session: Session, task: Task) -> dict:
@@ -129,21 +110,11 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
         task = get_task(session, principal, task_id)
         if task.status in (SUCCEEDED, FAILED):
             raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
-        if task.status == QUEUED and transition(session, task_id, CANCELLED, only_from=[QUEUED]):
-            # No worker owns a queued task, so this transaction is the response's only writer.
-            seq = eventlog.max_seq(session, task.response_id) + 1
-            name, data = events.final(task.response_id, "cancelled")
-            eventlog.append(session, task.response_id, [(seq, name, dumps(data))])
-            session.execute(update(Response).where(Response.id == task.response_id)
-                            .values(status="cancelled", updated_at=time.time()))
-            session.commit()
-            svc.publisher.publish(task.response_id, [(seq, name, dumps(data))])
-        elif transition(session, task_id, CANCELLING, only_from=[LOADING, RUNNING]):
-            session.commit()
+        notify, publish = lifecycle.cancel(session, task)
+        session.commit()
+        svc.publisher.publish_many(publish)
+        if notify:
             svc.publisher.control(CONTROL_CHANNEL, task.response_id)
-        else:
-            session.rollback()
-        session.expire_all()
         task = get_task(session, principal, task_id)
         if task.status in (SUCCEEDED, FAILED):  # it finished while we tried
             raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
@@ -161,4 +132,3 @@ def stored_response(session: Session, principal: str, response_id: str) -> dict:
 
 def response_json(session: Session, response_id: str) -> dict:
     return response_object(session.get(Response, response_id))
-

@@ -2,7 +2,8 @@ from flask import Blueprint
 
 from api.auth import require
 from api.extensions import services
-from api.services.models import live_workers, model_object
+from api.services.models import model_object
+from common.lifecycle import live_workers
 
 bp = Blueprint("models", __name__, url_prefix="/lmsp/v1")
 

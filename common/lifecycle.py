@@ -1,0 +1,364 @@
+"""The lifecycle core: every write of a task or response status, and every event row, happens here.
+
+Each operation runs inside the caller's transaction and returns the events to
+publish once it commits (DESIGN invariant 2: persist, then announce). A worker
+writes only through an ``Attempt``: the attempt number it got when it claimed
+the task is a fencing token, and every write is conditional on it still being
+current, so a worker that lost its task (paused past its lease, cut off from
+Postgres) can no longer write (invariant 4).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import func, select, tuple_, update
+from sqlalchemy.orm import Session
+
+from common import eventlog, events
+from common.db import db_now
+from common.errors import LMSPError, problem
+from common.events import dumps
+from common.ids import new_id
+from common.states import (
+    CANCELLED,
+    CANCELLING,
+    FAILED,
+    LIVE,
+    LOADING,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    TASK_OUTCOME,
+    R,
+    respond,
+    transition,
+)
+from common.tables import Response, Task, Worker
+
+Event = tuple[int, str, str]
+Publish = dict[str, list[Event]]   # response id -> events to publish after the commit
+
+
+class Fenced(Exception):
+    """This attempt is no longer the task's current one: another worker owns it now."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A worker's right to write one response: a task's claim, or a direct response it runs."""
+    response_id: str
+    task_id: str | None
+    number: int
+    worker_id: str
+
+    def task_where(self):
+        return Task.id == self.task_id, Task.attempt == self.number
+
+    def direct_where(self):
+        return Response.id == self.response_id, Response.worker_id == self.worker_id
+
+
+def restarted_error(detail: str) -> dict:
+    return problem("server_restarted", detail)
+
+
+# -- creating work (api) ------------------------------------------------------------------------
+def new_response(*, principal: str, model: str, request: dict, input_tokens: int, max_tokens: int,
+                 status: R, stored: bool, previous_response_id: str | None) -> Response:
+    now = time.time()
+    return Response(id=new_id("response"), principal_id=principal, model=model, request=request,
+                    input_tokens=input_tokens, max_tokens=max_tokens, status=status, stored=stored,
+                    previous_response_id=previous_response_id, created_at=now, updated_at=now)
+
+
+def create_task(session: Session, response: Response, on_restart: str) -> Task:
+    """Task, response and event #1 in the caller's transaction (7.1: persist before answering)."""
+    now = response.created_at
+    task = Task(id=new_id("task"), principal_id=response.principal_id, response_id=response.id,
+                type="response", model=response.model, status=QUEUED, on_restart=on_restart, attempt=0,
+                created_at=now, updated_at=now, dispatched_at=db_now(), dispatches=1, events_expired=False)
+    session.add_all([response, task])  # the unit of work inserts the response first (foreign key)
+    eventlog.append(session, response.id, [(1, events.CREATED, dumps(events.created(response.id)))])
+    return task
+
+
+def create_direct(session: Session, response: Response) -> Response:
+    session.add(response)
+    return response
+
+
+# -- the final event ----------------------------------------------------------------------------
+def _final(session: Session, response_id: str, status: R, *, first_seq: int | None = None, emitted=(),
+           output=None, usage=None, error=None, logged: bool = True) -> list[Event]:
+    """Items still to emit + the one final event, numbered after the log (or ``first_seq``), and the
+    response row in its final state."""
+    incomplete = {"reason": "max_output_tokens"} if status == R.INCOMPLETE else None
+    name, data = events.final(response_id, status, usage=usage if status != R.CANCELLED else None,
+                              error=error, incomplete_details=incomplete)
+    seq = first_seq if first_seq is not None else eventlog.max_seq(session, response_id) + 1
+    batch = [(seq + i, n, dumps(d)) for i, (n, d) in enumerate([*emitted, (name, data)])]
+    if logged:
+        eventlog.append(session, response_id, batch)
+    values = {"error": error, "incomplete_details": incomplete}
+    if output is not None:
+        values.update(output=output, usage=usage)
+    respond(session, response_id, status, **values)
+    return batch
+
+
+def _task_final(session: Session, task: Task, status: R, **kw) -> Publish:
+    """The task reached its terminal state in this transaction: write its response's final event."""
+    return {task.response_id: _final(session, task.response_id, status, **kw)}
+
+
+# -- claims (worker) ------------------------------------------------------------------------------
+@dataclass
+class Claim:
+    attempt: Attempt
+    task: Task
+    response: Response
+    log: list[Event]     # the response's events so far (a handed-on task continues after them)
+    fresh: bool          # claimed from queued, not handed on mid-run
+
+
+def claim(session: Session, task_id: str, worker_id: str) -> tuple[Claim | None, Publish]:
+    """Take a task whose message arrived: a queued one (queued -> loading), or one handed on mid-run
+    (loading/running/cancelling with no owner). A new attempt number fences every earlier owner. A
+    duplicate delivery, or a task someone else holds, claims nothing."""
+    fresh = transition(session, task_id, LOADING, only_from=[QUEUED], worker_id=worker_id,
+                       attempt=Task.attempt + 1)
+    if not fresh:
+        won = session.execute(update(Task).where(
+            Task.id == task_id, Task.status.in_(LIVE), Task.worker_id.is_(None)).values(
+            worker_id=worker_id, attempt=Task.attempt + 1)).rowcount == 1
+        if not won:
+            return None, {}
+    task = session.get(Task, task_id, populate_existing=True)
+    if task.status == CANCELLING:  # cancelled while nobody ran it: finish the cancellation now
+        transition(session, task_id, CANCELLED, only_from=[CANCELLING])
+        return None, _task_final(session, task, R.CANCELLED)
+    response = session.get(Response, task.response_id, populate_existing=True)
+    log = [] if fresh else eventlog.read(session, response.id, 0, limit=10**9)
+    return Claim(Attempt(response.id, task.id, task.attempt, worker_id), task, response, log, fresh), {}
+
+
+def claim_direct(session: Session, response_id: str, worker_id: str) -> tuple[Attempt, Response] | None:
+    if not respond(session, response_id, R.IN_PROGRESS, only_from=[R.QUEUED], worker_id=worker_id):
+        return None
+    return Attempt(response_id, None, 0, worker_id), session.get(Response, response_id, populate_existing=True)
+
+
+def _current(session: Session, attempt: Attempt) -> Task | None:
+    return session.execute(select(Task).where(*attempt.task_where()).execution_options(
+        populate_existing=True)).scalar_one_or_none()
+
+
+def start(session: Session, attempt: Attempt) -> bool:
+    """loading -> running at the first token. False when a cancel got there first; Fenced when the
+    task is no longer this attempt's."""
+    if transition(session, attempt.task_id, RUNNING, only_from=[LOADING], where=attempt.task_where()):
+        return True
+    task = _current(session, attempt)
+    if task is None or task.status not in LIVE:
+        raise Fenced(attempt)
+    return task.status == RUNNING  # a task handed on mid-run is running already
+
+
+# -- events (worker) ---------------------------------------------------------------------------------
+def fenced_out(session: Session, attempts: list[Attempt]) -> set[Attempt]:
+    """Lock the rows of the attempts still current (so no takeover commits between this check and the
+    caller's inserts) and return those that are not."""
+    tasks = [a for a in attempts if a.task_id is not None]
+    direct = [a for a in attempts if a.task_id is None]
+    held: set[str] = set()
+    if tasks:
+        # A no-op UPDATE rather than SELECT ... FOR UPDATE: it locks on SQLite too.
+        held |= set(session.execute(update(Task).where(
+            tuple_(Task.id, Task.attempt).in_([(a.task_id, a.number) for a in tasks]),
+            Task.status.in_(LIVE)).values(attempt=Task.attempt).returning(Task.response_id)).scalars())
+    if direct:
+        held |= set(session.execute(update(Response).where(
+            tuple_(Response.id, Response.worker_id).in_([(a.response_id, a.worker_id) for a in direct]),
+            Response.status == R.IN_PROGRESS).values(worker_id=Response.worker_id)
+            .returning(Response.id)).scalars())
+    return {a for a in attempts if a.response_id not in held}
+
+
+def append(session: Session, batches: dict[Attempt, list[Event]]) -> set[Attempt]:
+    """Log the batches of every attempt still current; return the attempts refused."""
+    refused = fenced_out(session, list(batches))
+    for attempt, batch in batches.items():
+        if attempt not in refused:
+            eventlog.append(session, attempt.response_id, batch)
+    return refused
+
+
+def already_logged(session: Session, response_id: str, batch: list[Event]) -> bool:
+    """True when exactly these events are in the log: a commit whose reply was lost and is replayed."""
+    rows = eventlog.read(session, response_id, batch[0][0] - 1, limit=len(batch))
+    return [tuple(r) for r in rows] == [tuple(e) for e in batch]
+
+
+# -- finishing (worker) -------------------------------------------------------------------------------
+def finish(session: Session, attempt: Attempt, status: R, *, first_seq: int, emitted, output, usage,
+           error=None, logged: bool = True) -> Publish:
+    """The outcome of a generation, as one final event. A cancel that committed first wins: the
+    response then ends cancelled. Fenced when the attempt lost the task."""
+    if attempt.task_id is None:
+        return _finish_direct(session, attempt, status, first_seq=first_seq, emitted=emitted, output=output,
+                              usage=usage, error=error, logged=logged)
+    fence = attempt.task_where()
+    target = TASK_OUTCOME[status]
+    won = target != CANCELLED and transition(
+        session, attempt.task_id, target, only_from=[RUNNING] if target == SUCCEEDED else [LOADING, RUNNING],
+        where=fence, error=error if target == FAILED else None)
+    if not won:
+        # Cancelled, or a cancel won the race against completion: finish the cancellation.
+        transition(session, attempt.task_id, CANCELLING, only_from=[LOADING, RUNNING], where=fence)
+        if not transition(session, attempt.task_id, CANCELLED, only_from=[CANCELLING], where=fence):
+            raise Fenced(attempt)
+        status = R.CANCELLED
+    batch = _final(session, attempt.response_id, status, first_seq=first_seq, emitted=emitted,
+                   output=output, usage=usage, error=error, logged=logged)
+    return {attempt.response_id: batch}
+
+
+def _finish_direct(session: Session, attempt: Attempt, status: R, **kw) -> Publish:
+    row = session.execute(select(Response.status, Response.worker_id).where(
+        Response.id == attempt.response_id)).one()
+    if row.status == R.CANCELLED:  # the api marked it: its client went away
+        status, kw["emitted"] = R.CANCELLED, ()
+    elif row.status != R.IN_PROGRESS or row.worker_id != attempt.worker_id:
+        raise Fenced(attempt)
+    return {attempt.response_id: _final(session, attempt.response_id, status, **kw)}
+
+
+# -- handing a task on -----------------------------------------------------------------------------
+def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None = None,
+            owner_expired_after: float | None = None) -> tuple[bool, Publish]:
+    """An attempt ended without an outcome (its worker restarted, drained, lost its engine or its
+    lease): apply the task's ``on_restart`` policy (7.5). ``cancelling`` -> ``cancelled`` whatever the
+    policy; ``fail`` -> ``failed`` with ``error``; ``retry``/``resume`` -> the task keeps its state with
+    no owner and a new attempt number, to be claimed again from its model's queue.
+
+    ``attempt`` is the attempt the caller saw (a stale view changes nothing); ``owner_expired_after``
+    makes it a takeover: it wins only while the owner's lease is still expired by the database's clock.
+    Returns (whether a broker message must be sent for the task, events to publish).
+    """
+    where = [Task.status.in_(LIVE)]
+    if attempt is not None:
+        where.append(Task.attempt == attempt)
+    if owner_expired_after is not None:
+        where.append(Task.worker_id.in_(select(Worker.id).where(
+            Worker.heartbeat_at < db_now() - owner_expired_after)))
+    # Fence every earlier owner first: the row is ours from here to the commit.
+    task = session.execute(update(Task).where(Task.id == task_id, *where).values(
+        attempt=Task.attempt + 1).returning(Task).execution_options(populate_existing=True)).scalar_one_or_none()
+    if task is None:
+        return False, {}
+    if task.status == CANCELLING:
+        transition(session, task_id, CANCELLED, only_from=[CANCELLING])
+        return False, _task_final(session, task, R.CANCELLED)
+    if task.on_restart == "fail":
+        transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error)
+        return False, _task_final(session, task, R.FAILED, error=error)
+    session.execute(update(Task).where(Task.id == task_id).values(
+        worker_id=None, dispatched_at=db_now(), dispatches=Task.dispatches + 1))
+    return True, {}
+
+
+def fail_write(session: Session, attempt: Attempt, error: dict) -> Publish:
+    """An event of this attempt could not be written (a value the database refuses, a foreign row at
+    its sequence number): the task fails alone, its final event numbered after the log."""
+    if attempt.task_id is None:
+        if not respond(session, attempt.response_id, R.FAILED, only_from=[R.IN_PROGRESS],
+                       where=attempt.direct_where(), error=error):
+            raise Fenced(attempt)
+        return {}
+    fence = attempt.task_where()
+    if transition(session, attempt.task_id, FAILED, only_from=[LOADING, RUNNING], where=fence, error=error):
+        status = R.FAILED
+    elif transition(session, attempt.task_id, CANCELLED, only_from=[CANCELLING], where=fence):
+        status = R.CANCELLED
+    else:
+        raise Fenced(attempt)
+    return {attempt.response_id: _final(session, attempt.response_id, status, error=error)}
+
+
+# -- the api's side ------------------------------------------------------------------------------------
+def cancel(session: Session, task: Task) -> tuple[bool, Publish]:
+    """7.3. Returns (whether the owning worker must be told to stop, events to publish)."""
+    if task.status == QUEUED and transition(session, task.id, CANCELLED, only_from=[QUEUED]):
+        return False, _task_final(session, task, R.CANCELLED)  # no worker owns a queued task
+    if transition(session, task.id, CANCELLING, only_from=[LOADING, RUNNING]):
+        owner = session.execute(select(Task.worker_id).where(Task.id == task.id)).scalar()
+        if owner is None:  # handed on, nobody runs it now: the cancellation completes at once
+            return False, hand_on(session, task.id, error={})[1]
+        return True, {}
+    return False, {}
+
+
+def abort_direct(session: Session, response_id: str) -> bool:
+    """The client of a direct response went away."""
+    return respond(session, response_id, R.CANCELLED, only_from=[R.QUEUED, R.IN_PROGRESS])
+
+
+def fail_direct(session: Session, worker_ids: list[str], error: dict) -> list[str]:
+    """Direct responses of dead workers: the api's followers see the row and end their streams."""
+    rows = session.execute(update(Response).where(
+        Response.worker_id.in_(worker_ids), Response.status == R.IN_PROGRESS,
+        ~Response.id.in_(select(Task.response_id))).values(
+        status=R.FAILED, error=error, updated_at=time.time()).returning(Response.id)).scalars()
+    return list(rows)
+
+
+# -- broker messages -------------------------------------------------------------------------------------
+def due_dispatches(session: Session, model: str, requeue_after: float, *, force: bool = False) -> list[str]:
+    """Tasks of ``model`` waiting for a broker message that may be lost: queued ones, and ones handed on
+    with no owner. Each is due ``requeue_after`` x 2^(n-1) (at most 16x) after its n-th message, so a
+    long backlog does not fill the broker with copies; ``force`` (the broker restarted empty) makes
+    every one due now. Marks the ones returned as sent; concurrent sweepers never both get one."""
+    now = session.execute(select(db_now())).scalar()
+    rows = session.execute(select(Task.id, Task.dispatched_at, Task.dispatches).where(
+        Task.model == model, Task.status.in_([QUEUED, *LIVE]), Task.worker_id.is_(None),
+        Task.dispatched_at < now - (1 if force else requeue_after))).all()
+    due = [(tid, at) for tid, at, n in rows
+           if force or at < now - requeue_after * 2 ** min(max(n, 1) - 1, 4)]
+    if not due:
+        return []
+    return list(session.execute(update(Task).where(
+        tuple_(Task.id, Task.dispatched_at).in_(due), Task.worker_id.is_(None)).values(
+        dispatched_at=now, dispatches=Task.dispatches + 1).returning(Task.id)).scalars())
+
+
+def heartbeat(session: Session, worker_id: str, model: str, *, running: int, ready: bool,
+              stopped: bool = False) -> None:
+    values = {"heartbeat_at": db_now(), "model": model, "running": running, "ready": ready and not stopped,
+              "stopped_at": db_now() if stopped else None}
+    if session.execute(update(Worker).where(Worker.id == worker_id).values(**values)).rowcount == 0:
+        session.add(Worker(id=worker_id, started_at=time.time(), **values))
+        session.flush()
+
+
+def live_workers(session: Session, lease_seconds: float) -> dict[str, int]:
+    """Workers per model that can take work now (fresh heartbeat by the database's clock, engine ready)."""
+    rows = session.execute(select(Worker.model, func.count()).where(
+        Worker.heartbeat_at > db_now() - lease_seconds, Worker.stopped_at.is_(None), Worker.ready.is_(True))
+        .group_by(Worker.model))
+    return dict(rows.all())
+
+
+def expired_workers(session: Session, lease_seconds: float, me: str) -> list[str]:
+    return [w for w in session.execute(select(Worker.id).where(
+        Worker.heartbeat_at < db_now() - lease_seconds)).scalars() if w != me]
+
+
+def require_task(session: Session, principal: str, task_id: str) -> Task:
+    task = session.execute(select(Task).where(Task.id == task_id, Task.principal_id == principal)
+                           .execution_options(populate_existing=True)).scalar_one_or_none()
+    if task is None:
+        raise LMSPError("task_not_found", f"No task {task_id}")
+    return task
+

@@ -1,0 +1,168 @@
+"""The lifecycle core on both databases: claims, fencing, hand-over by policy, takeovers by the
+database's clock, cancellation of handed-on work, and broker re-sends spaced per task."""
+
+import json
+
+import pytest
+from sqlalchemy import select, update
+
+from common import eventlog, events, lifecycle
+from common.db import db_now, make_engine, session_factory, transaction, upgrade
+from common.lifecycle import Fenced
+from common.states import R
+from common.tables import Response, Task, Worker
+from tests import factories
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def sessions(request, tmp_path_factory):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('lifecycle') / 'db.sqlite'}"
+        upgrade(url)
+    else:
+        url = request.getfixturevalue("pg_url")
+    engine = make_engine(url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def new_task(sessions, on_restart="fail", model="m"):
+    with transaction(sessions) as session:
+        factories.principal(session, "p")
+        response = lifecycle.new_response(principal="p", model=model, request={"input": []}, input_tokens=3,
+                                          max_tokens=10, status=R.IN_PROGRESS, stored=True,
+                                          previous_response_id=None)
+        task = lifecycle.create_task(session, response, on_restart)
+    return task.id, response.id
+
+
+def claim(sessions, task_id, worker):
+    with transaction(sessions) as session:
+        claimed, _ = lifecycle.claim(session, task_id, worker)
+    return claimed
+
+
+def log_of(sessions, rid):
+    with sessions() as session:
+        return eventlog.read(session, rid, 0, limit=1000)
+
+
+def status(sessions, task_id):
+    with sessions() as session:
+        return session.execute(select(Task.status, Task.attempt, Task.worker_id).where(Task.id == task_id)).one()
+
+
+def test_a_stale_attempt_can_no_longer_write(sessions):
+    task_id, rid = new_task(sessions, "retry")
+    first = claim(sessions, task_id, "w1").attempt
+    with transaction(sessions) as session:
+        assert lifecycle.start(session, first)
+        assert lifecycle.append(session, {first: [(2, events.TEXT_DELTA, "{}")]}) == set()
+    # w1's lease is gone: the task is handed on and claimed by w2 with a new attempt number.
+    with transaction(sessions) as session:
+        send, _ = lifecycle.hand_on(session, task_id, error={}, attempt=first.number)
+    assert send and status(sessions, task_id) == ("running", 2, None)
+    assert claim(sessions, task_id, "w2") is not None
+    assert claim(sessions, task_id, "w3") is None  # owned: a second claim wins nothing
+    with transaction(sessions) as session:
+        assert lifecycle.append(session, {first: [(3, events.TEXT_DELTA, "{}")]}) == {first}
+        with pytest.raises(Fenced):
+            lifecycle.finish(session, first, R.COMPLETED, first_seq=3, emitted=[], output=[], usage={})
+    assert [e[0] for e in log_of(sessions, rid)] == [1, 2]
+
+
+def test_hand_on_applies_each_policy(sessions):
+    outcomes = {}
+    for policy in ("fail", "retry", "resume"):
+        task_id, rid = new_task(sessions, policy)
+        attempt = claim(sessions, task_id, "w1").attempt
+        with transaction(sessions) as session:
+            send, publish = lifecycle.hand_on(session, task_id, error=lifecycle.restarted_error("gone"),
+                                              attempt=attempt.number)
+        outcomes[policy] = (send, status(sessions, task_id)[0], [e[1] for e in log_of(sessions, rid)])
+    assert outcomes["fail"] == (False, "failed", [events.CREATED, events.FAILED])
+    assert outcomes["retry"] == (True, "loading", [events.CREATED])
+    assert outcomes["resume"] == (True, "loading", [events.CREATED])
+    # A cancelling task is cancelled whatever its policy.
+    task_id, rid = new_task(sessions, "resume")
+    claim(sessions, task_id, "w1")
+    with transaction(sessions) as session:
+        assert lifecycle.cancel(session, session.get(Task, task_id))[0]  # the owner must be told
+        lifecycle.hand_on(session, task_id, error={})
+    assert status(sessions, task_id)[0] == "cancelled"
+    assert log_of(sessions, rid)[-1][1] == events.CANCELLED
+
+
+def test_takeover_needs_the_lease_expired_by_the_database_clock(sessions):
+    task_id, _ = new_task(sessions, "fail")
+    attempt = claim(sessions, task_id, "w-live").attempt
+    with transaction(sessions) as session:
+        lifecycle.heartbeat(session, "w-live", "m", running=1, ready=True)
+    with transaction(sessions) as session:  # a sweeper with a stale view of the lease
+        assert lifecycle.hand_on(session, task_id, error={}, attempt=attempt.number,
+                                 owner_expired_after=30) == (False, {})
+    assert status(sessions, task_id)[0] == "loading"
+    with transaction(sessions) as session:
+        session.execute(update(Worker).where(Worker.id == "w-live").values(heartbeat_at=db_now() - 31))
+        assert "w-live" in lifecycle.expired_workers(session, 30, "me")
+        send, publish = lifecycle.hand_on(session, task_id, error=lifecycle.restarted_error("gone"),
+                                          attempt=attempt.number, owner_expired_after=30)
+    assert status(sessions, task_id)[0] == "failed"
+    [(_, name, data)] = next(iter(publish.values()))
+    assert name == events.FAILED and json.loads(data)["error"]["code"] == "server_restarted"
+
+
+def test_cancel_of_a_handed_on_task_completes_at_once(sessions):
+    task_id, rid = new_task(sessions, "retry")
+    attempt = claim(sessions, task_id, "w1").attempt
+    with transaction(sessions) as session:
+        lifecycle.start(session, attempt)
+        lifecycle.hand_on(session, task_id, error={}, attempt=attempt.number)
+    with transaction(sessions) as session:
+        notify, publish = lifecycle.cancel(session, session.get(Task, task_id))
+    assert not notify and status(sessions, task_id)[0] == "cancelled"
+    assert [e[1] for e in log_of(sessions, rid)] == [events.CREATED, events.CANCELLED]
+    assert claim(sessions, task_id, "w2") is None
+
+
+def test_finish_continues_the_log_and_a_cancel_that_came_first_wins(sessions):
+    task_id, rid = new_task(sessions)
+    attempt = claim(sessions, task_id, "w1").attempt
+    with transaction(sessions) as session:
+        lifecycle.start(session, attempt)
+        lifecycle.cancel(session, session.get(Task, task_id))
+    with transaction(sessions) as session:
+        lifecycle.finish(session, attempt, R.COMPLETED, first_seq=2, emitted=[], output=[], usage={})
+    assert status(sessions, task_id)[0] == "cancelled"
+    with sessions() as session:
+        assert session.get(Response, rid).status == "cancelled"
+    assert [e[:2] for e in log_of(sessions, rid)] == [(1, events.CREATED), (2, events.CANCELLED)]
+
+
+def test_a_write_that_cannot_succeed_fails_only_its_task(sessions):
+    task_id, rid = new_task(sessions)
+    attempt = claim(sessions, task_id, "w1").attempt
+    with transaction(sessions) as session:
+        lifecycle.start(session, attempt)
+        eventlog.append(session, rid, [(2, "x.foreign", "{}")])  # someone else's row at our next seq
+    with transaction(sessions) as session:
+        assert not lifecycle.already_logged(session, rid, [(2, events.TEXT_DELTA, "{}")])
+        lifecycle.fail_write(session, attempt, {"code": "generation_failed", "detail": "collides"})
+    assert status(sessions, task_id)[0] == "failed"
+    assert [e[0] for e in log_of(sessions, rid)] == [1, 2, 3]  # the final event after the log's max
+
+
+def test_due_dispatches_spaces_copies_per_task(sessions):
+    ids = [new_task(sessions, model="mq")[0] for _ in range(3)]
+    with transaction(sessions) as session:
+        session.execute(update(Task).where(Task.id.in_(ids)).values(dispatched_at=db_now() - 100))
+        session.execute(update(Task).where(Task.id == ids[2]).values(dispatches=5))  # sent 5 times
+    with transaction(sessions) as session:
+        due = lifecycle.due_dispatches(session, "mq", 60)
+    assert set(due) == set(ids[:2])  # the fifth copy waits 16 x 60 s, not 60 s
+    with transaction(sessions) as session:
+        assert lifecycle.due_dispatches(session, "mq", 60) == []  # just sent
+        # The broker restarted empty: every copy is due at once, except the ones sent a moment ago.
+        assert set(lifecycle.due_dispatches(session, "mq", 60, force=True)) == {ids[2]}
+        session.execute(update(Task).where(Task.id.in_(ids)).values(dispatched_at=db_now() - 2))
+        assert set(lifecycle.due_dispatches(session, "mq", 60, force=True)) == set(ids)
