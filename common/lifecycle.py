@@ -228,7 +228,9 @@ def finish(session: Session, attempt: Attempt, status: R, *, first_seq: int, emi
 def _finish_direct(session: Session, attempt: Attempt, status: R, **kw) -> Publish:
     row = session.execute(select(Response.status, Response.worker_id).where(
         Response.id == attempt.response_id)).one()
-    if row.status == R.CANCELLED:  # the api marked it: its client went away
+    if row.status == R.CANCELLED:  # the api marked it: its client went away; keep what it cost
+        session.execute(update(Response).where(Response.id == attempt.response_id).values(
+            output=kw["output"], usage=kw["usage"]))
         status, kw["emitted"] = R.CANCELLED, ()
     elif row.status != R.IN_PROGRESS or row.worker_id != attempt.worker_id:
         raise Fenced(attempt)

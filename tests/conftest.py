@@ -25,13 +25,16 @@ def model_id():
 def stack(tmp_path_factory, pg_url, model_id):
     tmp = tmp_path_factory.mktemp("stack")
     fault_model = model_id.replace(":t", ":f")
+    pair_model = model_id.replace(":t", ":p")  # two workers of its own (tests/test_faults.py)
     s = Stack(tmp, pg_url, models=[
         model_entry(fault_model),
+        model_entry(pair_model),
         model_entry("tiny:no-tools", context_window=64, max_output_tokens=16,
                     capabilities={"tools": False, "structured_output": False, "conversations": False,
                                   "resume_snapshots": False}),
     ])
     s.fault_model = fault_model
+    s.pair_model = pair_model
     yield s
     s.close()
 

@@ -1,12 +1,14 @@
 """Crashes with real processes: SIGKILLed workers, Redis restarted empty, Postgres restarted, lost leases,
 duplicate deliveries. Every follower must see every sequence number exactly once, ending with one final event."""
 
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
 
+import jsonschema
 import pytest
 import redis
 import requests
@@ -72,9 +74,22 @@ def check_exactly_once(events):
     assert sum(1 for e in events if e[1] in FINALS) == 1 and events[-1][1] in FINALS
 
 
-def submit(client, model, text, on_restart="fail", max_tokens=300):
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "animals", "schema": {
+    "type": "object", "properties": {"animals": {"type": "array", "items": {"type": "string"}, "minItems": 40}},
+    "required": ["animals"]}}}
+
+
+def text_after_last_attempt(events) -> str:
+    """What a client that honours response.attempt.started reassembles from the deltas."""
+    marks = [i for i, e in enumerate(events) if e[1] == "response.attempt.started"]
+    tail = events[marks[-1] + 1:] if marks else events
+    return "".join(e[2]["delta"] for e in tail if e[1] == "response.output_text.delta")
+
+
+def submit(client, model, text, on_restart="fail", max_tokens=300, **fields):
     body = {"type": "response", "on_restart": on_restart,
-            "input": {"model": model, "input": user(text), "temperature": 0, "max_output_tokens": max_tokens}}
+            "input": {"model": model, "input": user(text), "temperature": 0, "max_output_tokens": max_tokens,
+                      **fields}}
     resp = client.post("/lmsp/v1/tasks", body)
     assert resp.status_code == 202, resp.text
     return resp.json()
@@ -93,6 +108,8 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
     tasks = {policy: submit(alice, model, ESSAY.format(topic), policy)
              for policy, topic in [("fail", "Rome"), ("retry", "Egypt"), ("resume", "China")]}
     cancelling = submit(alice, model, ESSAY.format("Peru"), "resume")
+    constrained = submit(alice, model, "List one hundred animals as JSON.", "resume", max_tokens=700,
+                         response_format=SCHEMA_FORMAT)
     direct: list = []  # an interactive stream on the same worker: its client must not hang forever
 
     def stream_direct():
@@ -102,7 +119,7 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
 
     direct_thread = threading.Thread(target=stream_direct, daemon=True)
     direct_thread.start()
-    followers = {p: Follower(alice, t) for p, t in tasks.items()}
+    followers = {p: Follower(alice, t) for p, t in {**tasks, "json": constrained}.items()}
     for f in followers.values():
         f.start()
     wait_for(lambda: all(f.deltas() >= 12 for f in followers.values()), 300, "generation did not start")
@@ -132,6 +149,20 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
     starts = [e for e in followers["retry"].events if e[1] == "response.output_item.added"]
     assert len(starts) == 2 and starts[0][2]["item"]["id"] != starts[1][2]["item"]["id"]  # ran again, new items
     assert retried["response"]["output"][0]["id"] == starts[1][2]["item"]["id"]
+    # The second attempt is announced before its items; what follows the marker is the whole output.
+    marks = [i for i, e in enumerate(followers["retry"].events) if e[1] == "response.attempt.started"]
+    assert len(marks) == 1 and followers["retry"].events[marks[0]][2]["attempt"] == 2
+    assert followers["retry"].events.index(starts[1]) > marks[0] > followers["retry"].events.index(starts[0])
+    assert text_after_last_attempt(followers["retry"].events) == \
+        retried["response"]["output"][0]["content"][0]["text"]
+
+    # Structured output cannot continue a partial JSON: resume falls back to a fresh, marked attempt.
+    structured = final_task(alice, constrained["id"])
+    assert structured["status"] == "succeeded"
+    assert any(e[1] == "response.attempt.started" for e in followers["json"].events)
+    document = json.loads(structured["response"]["output"][0]["content"][0]["text"])
+    jsonschema.validate(document, SCHEMA_FORMAT["json_schema"]["schema"])
+    assert text_after_last_attempt(followers["json"].events) == structured["response"]["output"][0]["content"][0]["text"]
 
     resumed = final_task(alice, tasks["resume"]["id"])
     assert resumed["status"] == "succeeded"
@@ -255,3 +286,171 @@ def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, m
     with sessions() as session:
         owners = set(session.execute(select(Task.worker_id).where(Task.id.in_(orphaned))).scalars())
     assert owners == {f"test-{model_id}"}  # taken over after the lease expired
+
+
+# -- a pair of workers of one model: pauses, a dead engine, Redis restarts, a rolling restart -----------
+@pytest.fixture(scope="module")
+def pair(stack):
+    env = {"LMSP_DRAIN_SECONDS": "3"}
+    workers = {name: stack.start_worker(stack.pair_model, name, **env) for name in ("pair-a", "pair-b")}
+    workers["env"] = env
+    yield workers
+    for name in ("pair-a", "pair-b"):
+        stack.stop(workers[name])
+
+
+def owners(sessions, task_ids) -> dict[str, str | None]:
+    with sessions() as session:
+        return dict(session.execute(select(Task.id, Task.worker_id).where(Task.id.in_(task_ids))).all())
+
+
+def worker_log(stack, name) -> str:
+    return (stack.tmp / f"worker-{name}.log").read_text(errors="replace")
+
+
+def check_outcome(task, follower):
+    """Exactly once: one contiguous sequence, one final event, matching the task; the text a client
+    reassembles equals the output; a failed task claims no output."""
+    check_exactly_once(follower.events)
+    final = follower.events[-1]
+    if task["status"] == "succeeded":
+        assert final[1] in ("response.completed", "response.incomplete")
+        assert text_after_last_attempt(follower.events) == task["response"]["output"][0]["content"][0]["text"]
+    else:
+        assert task["status"] == "failed" and final[1] == "response.failed", (task, final)
+        assert not any(e[1] in ("response.completed", "response.incomplete") for e in follower.events)
+
+
+def test_a_paused_worker_is_fenced_and_every_task_finishes_once(stack, alice, pair, sessions):
+    model = stack.pair_model
+    os.kill(pair["pair-b"].pid, signal.SIGSTOP)  # everything lands on pair-a first
+    try:
+        tasks = [submit(alice, model, ESSAY.format(t), policy, max_tokens=400)
+                 for t, policy in [("maps", "fail"), ("bells", "retry"), ("ink", "resume"), ("kites", "resume")]]
+        followers = [Follower(alice, t, every=1000) for t in tasks]
+        for f in followers:
+            f.start()
+        wait_for(lambda: all(f.deltas() >= 8 for f in followers), 300, "generation did not start")
+        assert set(owners(sessions, [t["id"] for t in tasks]).values()) == {"pair-a"}
+    finally:
+        os.kill(pair["pair-b"].pid, signal.SIGCONT)
+    time.sleep(3)  # pair-b heartbeats again
+    os.kill(pair["pair-a"].pid, signal.SIGSTOP)  # past its lease (6 s): pair-b takes its tasks over
+    try:
+        wait_for(lambda: set(owners(sessions, [t["id"] for t in tasks]).values()) != {"pair-a"}, 60,
+                 "the paused worker's tasks were not taken over")
+        time.sleep(2)
+    finally:
+        os.kill(pair["pair-a"].pid, signal.SIGCONT)  # it wakes up still generating: it must not write
+    for task, f in zip(tasks, followers, strict=True):
+        f.join(600)
+        assert not f.is_alive()
+        check_outcome(final_task(alice, task["id"]), f)
+    assert final_task(alice, tasks[0]["id"])["error"]["code"] == "server_restarted"
+    for task in tasks[1:]:
+        assert final_task(alice, task["id"])["status"] == "succeeded"
+    assert "was taken over" in worker_log(stack, "pair-a")  # it noticed, and stopped generating
+    assert pair["pair-a"].poll() is None and pair["pair-b"].poll() is None
+
+
+def test_a_dead_engine_fails_no_task_and_comes_back(stack, alice, pair, sessions):
+    model = stack.pair_model
+    os.kill(pair["pair-b"].pid, signal.SIGSTOP)  # keep the work on pair-a
+    try:
+        running = [submit(alice, model, ESSAY.format(t), policy, max_tokens=300)
+                   for t, policy in [("oak", "retry"), ("elm", "resume")]]
+        followers = [Follower(alice, t, every=1000) for t in running]
+        for f in followers:
+            f.start()
+        wait_for(lambda: all(f.deltas() >= 5 for f in followers), 300, "generation did not start")
+        core = [pid for pid in engine_pids("pair-a") if b"EngineCore" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert core
+        os.kill(core[0], signal.SIGKILL)
+        queued = [submit(alice, model, f"Name a fruit, number {i}.", max_tokens=8) for i in range(5)]
+        wait_for(lambda: _model(alice, model)["workers"] == 0, 60, "the worker still looks ready")
+    finally:
+        os.kill(pair["pair-b"].pid, signal.SIGCONT)
+    for task, f in zip(running, followers, strict=True):
+        f.join(600)
+        done = final_task(alice, task["id"])
+        assert done["status"] == "succeeded", done
+        check_outcome(done, f)
+    for task in queued:
+        assert final_task(alice, task["id"], timeout=300)["status"] == "succeeded"
+    wait_for(lambda: _model(alice, model)["workers"] == 2, 300, "the engine did not come back")
+    assert pair["pair-a"].poll() is None  # the same process, with a new engine
+    assert "a new engine is loaded" in worker_log(stack, "pair-a")
+
+
+def _model(client, model):
+    return client.get(f"/lmsp/v1/models/{requests.utils.quote(model, safe='')}").json()
+
+
+def test_redis_restarts_do_not_stop_workers(stack, alice, pair):
+    model = stack.pair_model
+    pids = {name: pair[name].pid for name in ("pair-a", "pair-b")}
+    loads = {name: worker_log(stack, name).count("Loading weights took") for name in pids}
+    running = [submit(alice, model, ESSAY.format(t), "fail", max_tokens=250) for t in ("wax", "tin")]
+    followers = [Follower(alice, t) for t in running]
+    for f in followers:
+        f.start()
+    wait_for(lambda: all(f.deltas() >= 5 for f in followers), 300, "generation did not start")
+    steady: list = []
+    stop = threading.Event()
+
+    def submitter():  # a steady stream of submissions across the restart
+        while not stop.is_set():
+            try:
+                resp = alice.post("/lmsp/v1/tasks", {"type": "response", "input": {
+                    "model": model, "input": user("Say yes."), "max_output_tokens": 4}})
+                if resp.status_code == 202:
+                    steady.append(resp.json())
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+
+    thread = threading.Thread(target=submitter, daemon=True)
+    thread.start()
+    restart_redis()  # while tasks stream
+    time.sleep(3)
+    stop.set()
+    thread.join()
+    for task, f in zip(running, followers, strict=True):
+        f.join(600)
+        check_outcome(final_task(alice, task["id"]), f)
+        assert final_task(alice, task["id"])["status"] == "succeeded"
+    assert steady
+    for task in steady:
+        assert final_task(alice, task["id"], timeout=120)["status"] == "succeeded"
+    restart_redis()  # and while idle
+    after = [submit(alice, model, f"Say {w}.", max_tokens=4) for w in ("up", "down")]
+    started = time.time()
+    for task in after:
+        assert final_task(alice, task["id"], timeout=60)["status"] == "succeeded"
+    assert time.time() - started < 60
+    for name, pid in pids.items():
+        assert pair[name].poll() is None and pair[name].pid == pid, worker_log(stack, name)[-3000:]
+        assert worker_log(stack, name).count("Loading weights took") == loads[name]  # engine kept
+
+
+def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pair, sessions):
+    model = stack.pair_model
+    tasks = [submit(alice, model, ESSAY.format(f"city number {i}"), ("resume", "retry")[i % 2], max_tokens=200)
+             for i in range(20)]
+    followers = [Follower(alice, t) for t in tasks]
+    for f in followers:
+        f.start()
+    wait_for(lambda: sum(f.deltas() >= 3 for f in followers) >= 10, 300, "generation did not start")
+    before = worker_log(stack, "pair-b").count("took over")
+    pair["pair-a"].send_signal(signal.SIGTERM)  # to the worker alone, as Kubernetes does: drain 3 s, hand over
+    pair["pair-a"].wait(120)
+    assert engine_pids("pair-a") == []  # its engine is gone before it exits
+    pair["pair-a"] = stack.start_worker(model, "pair-a", **pair["env"])  # rolling: it comes back
+    for task, f in zip(tasks, followers, strict=True):
+        f.join(600)
+        done = final_task(alice, task["id"])
+        assert done["status"] == "succeeded", done
+        check_outcome(done, f)
+    assert "handed on" in worker_log(stack, "pair-a")
+    assert worker_log(stack, "pair-b").count("took over") == before  # nobody waited for a lease
+    assert engine_pids("pair-a") != [] and pair["pair-a"].poll() is None

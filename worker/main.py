@@ -37,7 +37,10 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
         sys.exit(f"lmsp worker: no model {model_id!r} in {settings.models_path}; "
                  "`lmsp models list` shows them, `make model` imports the default")
     worker_id = settings.worker_id or f"{socket.gethostname()}:{model_id}" + (f":gpu{gpu}" if gpu is not None else "")
-    engine = make_engine(settings.db_url)
+    # A paused worker must not hold rows inside a transaction forever (a takeover waits on them).
+    connect = {"connect_args": {"options": "-c idle_in_transaction_session_timeout=5000"}} \
+        if settings.db_url.startswith(("postgres", "postgresql")) else {}
+    engine = make_engine(settings.db_url, **connect)
     try:
         ensure_migrated(engine)
     except NotMigrated as exc:

@@ -24,6 +24,7 @@ from common.states import CANCELLING, LIVE
 from common.tables import IdempotencyRecord, Response, Task
 from worker import runner
 from worker.context import WorkerContext
+from worker.engine import kill_stale_engines
 
 log = logging.getLogger("lmsp.recovery")
 
@@ -165,6 +166,7 @@ def watch_engine(ctx: WorkerContext) -> None:
         ctx.engine.shutdown()
     except Exception:  # noqa: BLE001 - it is dead already
         log.warning("shutting the dead engine down failed", exc_info=True)
+    kill_stale_engines(ctx.worker_id)  # what the dead core left behind (its model worker) holds memory
     try:
         ctx.engine = ctx.new_engine()
     except Exception:  # noqa: BLE001

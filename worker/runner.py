@@ -9,6 +9,7 @@ import logging
 import time
 
 from sqlalchemy.exc import IntegrityError
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from common import events, lifecycle
 from common.broker import BACKGROUND, dispatch
@@ -122,7 +123,7 @@ class Job:
         except Exception as exc:  # noqa: BLE001 - any engine failure ends the response as failed
             if ctx.stopping.is_set():
                 raise EngineStopped() from exc
-            if engine.dead:
+            if engine.dead or isinstance(exc, EngineDeadError):
                 raise EngineLost() from exc
             log.exception("generation failed for %s", self.rid)
             error = problem("generation_failed", f"The engine failed: {type(exc).__name__}")
