@@ -13,7 +13,9 @@ import pytest
 import redis
 import requests
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
+from common import eventlog
 from common.broker import BACKGROUND, dispatch, make_celery
 from common.db import make_engine, session_factory
 from common.registry import queue_name
@@ -219,14 +221,18 @@ def test_redis_restarted_empty_loses_no_queued_task(stack, alice):
         stack.stop(worker)
 
 
-def test_postgres_restart_while_tasks_run(stack, alice, model_id):
+def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, model_id):
+    """Every worker's heartbeat looks expired when Postgres comes back: nobody may take over a live
+    worker's tasks for that (fail-policy tasks would fail because Postgres blinked)."""
     tasks = [submit(alice, model_id, ESSAY.format(t), "fail", max_tokens=250) for t in ("salt", "glass", "iron")]
     followers = [Follower(alice, t, every=1000) for t in tasks]
     for f in followers:
         f.start()
     wait_for(lambda: all(f.deltas() >= 5 for f in followers), 300, "generation did not start")
     cluster = os.listdir("/etc/postgresql")[0]
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart"], check=True)
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "stop"], check=True)
+    time.sleep(int(stack.env["LMSP_LEASE_SECONDS"]) + 4)
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "start"], check=True)
     for f in followers:
         f.join(600)
         assert not f.is_alive()
@@ -237,6 +243,35 @@ def test_postgres_restart_while_tasks_run(stack, alice, model_id):
         replay = alice.sse(task["events_url"])
         assert [(e[0], e[1]) for e in replay] == [(e[0], e[1]) for e in f.events]
         assert f.text() == final["response"]["output"][0]["content"][0]["text"]
+
+
+def test_a_foreign_event_row_fails_only_its_task(stack, alice, model_id, sessions):
+    tasks = [submit(alice, model_id, ESSAY.format(t), "fail", max_tokens=200) for t in ("moss", "fern", "reed")]
+    followers = [Follower(alice, t, every=1000) for t in tasks]
+    for f in followers:
+        f.start()
+    wait_for(lambda: all(f.deltas() >= 3 for f in followers), 300, "generation did not start")
+    victim = tasks[0]["response_id"]
+    while True:  # a row at the victim's next sequence number, as a buggy or replayed writer would leave
+        try:
+            with sessions() as session, session.begin():
+                seq = eventlog.max_seq(session, victim) + 1
+                eventlog.append(session, victim, [(seq, "x.foreign", "{}")])
+            break
+        except IntegrityError:
+            continue
+    for f in followers:
+        f.join(600)
+    failed = final_task(alice, tasks[0]["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "generation_failed"
+    victim_events = alice.sse(tasks[0]["events_url"])
+    check_exactly_once(victim_events)
+    assert victim_events[-1][1] == "response.failed"
+    for task, f in zip(tasks[1:], followers[1:], strict=True):
+        assert final_task(alice, task["id"])["status"] == "succeeded"
+        check_exactly_once(f.events)
+    later = submit(alice, model_id, "Say hello.", max_tokens=8)  # the worker goes on taking work
+    assert final_task(alice, later["id"], timeout=120)["status"] == "succeeded"
 
 
 def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, model_id, sessions, worker):

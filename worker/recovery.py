@@ -195,6 +195,7 @@ def drain(ctx: WorkerContext) -> None:
             Task.worker_id == ctx.worker_id, Task.status.in_(LIVE))).all()
     for task_id, attempt in rows:
         runner.hand_on(ctx, task_id, attempt, "The worker running this task was stopped before it finished")
+    fail_direct(ctx, [ctx.worker_id])  # a direct stream cannot move: its client retries elsewhere
     log.info("drained in %.1f s; %d tasks handed on", time.monotonic() - started, len(rows))
 
 
