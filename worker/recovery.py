@@ -83,17 +83,21 @@ def _take_over(ctx: WorkerContext, task_id: str, attempt: int, owner: str) -> No
         dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
 
 
-def finish_orphan_cancels(ctx: WorkerContext) -> None:
-    """``cancelling`` with nobody running it: handed on (no owner), or ours but not running here."""
+def hand_on_orphans(ctx: WorkerContext) -> None:
+    """Tasks nobody is moving on: ``cancelling`` ones with no owner, and ones this worker owns but does
+    not run (seen so in two sweeps in a row, so a claim on its way to its thread is not one)."""
     running = ctx.running_ids()
     with ctx.sessions() as session:
-        rows = session.execute(select(Task.id, Task.attempt, Task.response_id, Task.worker_id).where(
-            Task.status == CANCELLING, (Task.worker_id == ctx.worker_id) | Task.worker_id.is_(None))).all()
-    for task_id, attempt, response_id, owner in rows:
-        if owner == ctx.worker_id and response_id in running:
-            ctx.cancel(response_id)
-        else:
-            runner.hand_on(ctx, task_id, attempt, "cancelled")
+        columns = (Task.id, Task.attempt, Task.response_id, Task.worker_id)
+        rows = session.execute(select(*columns).where(Task.status.in_(LIVE), Task.worker_id == ctx.worker_id)
+                               .union_all(select(*columns).where(Task.status == CANCELLING,
+                                                                  Task.worker_id.is_(None)))).all()
+    suspects = {(task_id, attempt) for task_id, attempt, rid, owner in rows
+                if owner == ctx.worker_id and rid not in running}
+    for task_id, attempt, _, owner in rows:
+        if owner is None or (task_id, attempt) in suspects & ctx.orphans:
+            runner.hand_on(ctx, task_id, attempt, "The worker running this task lost track of it")
+    ctx.orphans = suspects
 
 
 def redispatch_lost(ctx: WorkerContext) -> None:
@@ -215,7 +219,7 @@ def _every(ctx: WorkerContext, seconds: float, fn, name: str) -> threading.Threa
 
 def sweep(ctx: WorkerContext) -> None:
     take_over_dead(ctx)
-    finish_orphan_cancels(ctx)
+    hand_on_orphans(ctx)
     redispatch_lost(ctx)
     enforce_retention(ctx)
 

@@ -178,9 +178,8 @@ def run_task(ctx: WorkerContext, task_id: str) -> None:
     claimed = ctx.write(lambda s: lifecycle.claim(s, task_id, ctx.worker_id))[0]
     if claimed is None:
         return
-    last_seq = claimed.log[-1][0] if claimed.log else 1
-    job = Job(ctx, claimed.attempt, claimed.response, last_seq)
     try:
+        job = Job(ctx, claimed.attempt, claimed.response, claimed.log[-1][0] if claimed.log else 1)
         builder = job.builder()
         prior_tokens = 0
         if not claimed.fresh:
