@@ -78,7 +78,7 @@ class WorkerContext:
     def ready(self) -> bool:
         """Engine loaded and claiming: what /models and the readiness probe report."""
         return self.engine_ok.is_set() and self.writer.alive and not (
-            self.draining.is_set() or self.stopping.is_set())
+            self.draining.is_set() or self.stopping.is_set() or self.engine.dead)
 
     def write(self, fn):
         """``fn(session)`` as one transaction, replayed while Postgres is unreachable (for as long as

@@ -194,9 +194,10 @@ def run_task(ctx: WorkerContext, task_id: str) -> None:
         job.run(builder, prior_tokens)
     except EngineStopped:
         raise  # the task stays with its attempt: the drain or the next boot hands it on
-    except EngineLost:
-        hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed")
-    except Exception:  # noqa: BLE001 - a bug must not leave a claimed task unfinished forever
+    except Exception as exc:  # noqa: BLE001 - a bug must not leave a claimed task unfinished forever
+        if isinstance(exc, EngineLost) or ctx.engine.dead or not ctx.engine_ok.is_set():
+            hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed")
+            return
         log.exception("task %s failed unexpectedly", task_id)
         error = problem("generation_failed", "The worker failed on this task; the error is logged")
         try:
