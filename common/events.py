@@ -12,6 +12,7 @@ INCOMPLETE = "response.incomplete"
 FAILED = "response.failed"
 CANCELLED = "response.cancelled"
 ERROR = "error"
+ATTEMPT_STARTED = "response.attempt.started"  # extension: a task's work starts again (7.5)
 
 FINAL = frozenset({COMPLETED, INCOMPLETE, FAILED, CANCELLED})
 # The seq of a final event sent by someone other than the stream's writer (its worker died):

@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from common import eventlog, events
 from common.broker import BACKGROUND, dispatch, queue_length
+from common.bus import CONTROL, aborted
 from common.errors import problem
 from common.events import dumps
 from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, TERMINAL, transition
@@ -109,7 +110,7 @@ def redispatch_lost(ctx: WorkerContext) -> None:
     with ctx.sessions() as session:
         ids = list(session.execute(select(Task.id).where(
             Task.model == ctx.spec.id, Task.status == QUEUED, Task.dispatched_at < cutoff)).scalars())
-    if not ids or queue_length(ctx.celery, ctx.settings, ctx.spec.queue) > 0:
+    if not ids or queue_length(ctx.celery, ctx.spec.queue) > 0:
         return
     log.info("re-dispatching %d queued tasks whose messages are gone", len(ids))
     for task_id in ids:
@@ -198,10 +199,10 @@ def _control_listener(ctx: WorkerContext) -> None:
     while not ctx.stopping.is_set():
         try:
             pubsub = ctx.publisher.client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe("lmsp:control")
+            pubsub.subscribe(CONTROL)
             while not ctx.stopping.is_set():
                 message = pubsub.get_message(timeout=1.0)
                 if message and message["type"] == "message":
-                    ctx.cancel(message["data"].decode())
+                    ctx.cancel(aborted(message["data"]))
         except (redis.RedisError, OSError):
             time.sleep(1)

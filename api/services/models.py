@@ -5,6 +5,7 @@ import time
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from common import wire
 from common.registry import ModelSpec
 from common.tables import Worker
 
@@ -17,13 +18,7 @@ def live_workers(session: Session, lease_seconds: int) -> dict[str, int]:
     return dict(rows.all())
 
 
-def model_object(spec: ModelSpec, workers: int) -> dict:
-    return {
-        "id": spec.id,
-        "object": "model",
-        "context_window": spec.context_window,
-        "max_output_tokens": spec.max_output_tokens,
-        "capabilities": spec.public_capabilities(),
-        "status": "ready" if workers else "unavailable",
-        "workers": workers,
-    }
+def model_object(spec: ModelSpec, workers: int) -> wire.Model:
+    return wire.Model(id=spec.id, context_window=spec.context_window, max_output_tokens=spec.max_output_tokens,
+                      capabilities=spec.public_capabilities(), status="ready" if workers else "unavailable",
+                      workers=workers)

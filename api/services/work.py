@@ -21,9 +21,6 @@ from common.resources import response_object, task_object
 from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, SUCCEEDED, transition
 from common.tables import Response, Task
 
-CONTROL_CHANNEL = "lmsp:control"
-
-
 def _response_row(prepared: Prepared, principal: str, status: str, stored: bool) -> Response:
     now = time.time()
     req = prepared.request
@@ -60,7 +57,7 @@ def abort_direct(svc: Services, response_id: str) -> None:
                                                Response.status.in_(("queued", "in_progress")))
                         .values(status="cancelled", updated_at=time.time()))
         session.commit()
-    svc.publisher.control(CONTROL_CHANNEL, response_id)
+    svc.publisher.abort(response_id)
 
 
 def final_from_row(svc: Services, response_id: str):
@@ -140,7 +137,7 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
             svc.publisher.publish(task.response_id, [(seq, name, dumps(data))])
         elif transition(session, task_id, CANCELLING, only_from=[LOADING, RUNNING]):
             session.commit()
-            svc.publisher.control(CONTROL_CHANNEL, task.response_id)
+            svc.publisher.abort(task.response_id)
         else:
             session.rollback()
         session.expire_all()
