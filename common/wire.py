@@ -11,8 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from common import events
-from common import registry
+from common import events, registry
 from common.states import STATES
 
 API = "/lmsp/v1"

@@ -21,6 +21,7 @@ from common.resources import response_object, task_object
 from common.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, SUCCEEDED, transition
 from common.tables import Response, Task
 
+
 def _response_row(prepared: Prepared, principal: str, status: str, stored: bool) -> Response:
     now = time.time()
     req = prepared.request
