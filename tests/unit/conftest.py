@@ -36,15 +36,20 @@ class Unit:
     def as_(self, principal: str, *scopes: str) -> "Caller":
         return Caller(self, self.token(principal, *scopes), principal)
 
+    @property
+    def anonymous(self) -> "Caller":
+        return Caller(self, None, "")
+
 
 @dataclass
 class Caller:
     unit: Unit
-    secret: str
+    secret: str | None
     principal: str
 
     def open(self, method: str, path: str, **kw):
-        headers = {"Authorization": f"Bearer {self.secret}", **kw.pop("headers", {})}
+        headers = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
+        headers.update(kw.pop("headers", {}))
         return self.unit.client.open(path, method=method, headers=headers, **kw)
 
     def get(self, path: str, **kw):
@@ -53,13 +58,14 @@ class Caller:
     def post(self, path: str, body=None, **kw):
         return self.open("POST", path, json=body, **kw) if body is not None else self.open("POST", path, **kw)
 
-    def task(self, status: str = "queued", **values) -> Task:
-        """A task row of this principal in ``status``, written as a worker would have left it."""
+    def task(self, status: str = "queued", *, response: dict | None = None, **values) -> Task:
+        """A task row of this principal in ``status`` with ``values``, and ``response`` values on its
+        response row, as a worker would have left them."""
         with self.unit.sessions() as session:
             row = factories.task(session, status, owner=self.principal, model=MODEL)
-            response = session.get(Response, row.response_id)
-            for key, value in values.items():
-                setattr(response, key, value)
+            for target, changes in ((row, values), (session.get(Response, row.response_id), response or {})):
+                for key, value in changes.items():
+                    setattr(target, key, value)
             session.commit()
         return row
 

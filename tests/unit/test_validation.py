@@ -7,7 +7,7 @@ from sqlalchemy import func, select
 
 from common.tables import IdempotencyRecord, Response, Task
 from tests.harness import user
-from tests.unit.conftest import MODEL, NARROW, problem, request_body, task_body
+from tests.unit.conftest import NARROW, problem, request_body, task_body
 
 TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
