@@ -12,7 +12,9 @@ INCOMPLETE = "response.incomplete"
 FAILED = "response.failed"
 CANCELLED = "response.cancelled"
 ERROR = "error"
-ATTEMPT_STARTED = "response.attempt.started"  # extension: a task's work starts again (7.5)
+# Extension (6.3 allows extra events): a new attempt starts from scratch after a restart; a client
+# discards what it built from this response's earlier events.
+ATTEMPT_STARTED = "response.attempt.started"
 
 FINAL = frozenset({COMPLETED, INCOMPLETE, FAILED, CANCELLED})
 # The seq of a final event sent by someone other than the stream's writer (its worker died):
@@ -37,6 +39,10 @@ def text_delta(rid: str, index: int, item_id: str, delta: str) -> dict:
 
 
 item_done = item_added
+
+
+def attempt_started(rid: str, attempt: int) -> dict:
+    return {"response_id": rid, "attempt": attempt}
 
 
 def final(rid: str, status: str, *, usage=None, error=None, incomplete_details=None) -> tuple[str, dict]:

@@ -248,7 +248,8 @@ class ErrorEvent(Shape):
 
 
 class AttemptStarted(Shape):
-    """Extension event: a task's work starts again after a restart (on_restart retry or resume)."""
+    """Extension event: a new attempt starts from scratch after a restart; a client discards what it
+    built from the response's earlier events."""
     response_id: str
     attempt: int = Field(ge=1)
 

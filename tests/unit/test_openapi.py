@@ -134,7 +134,7 @@ def test_event_stream_matches_the_event_schemas(doc, alice):
               (events.ITEM_ADDED, events.item_added(rid, 0, {**OUTPUT[0], "content": []})),
               (events.TEXT_DELTA, events.text_delta(rid, 0, "msg_1", "Hi")),
               (events.ITEM_DONE, events.item_done(rid, 0, OUTPUT[0])),
-              (events.ATTEMPT_STARTED, {"response_id": rid, "attempt": 2}),
+              (events.ATTEMPT_STARTED, events.attempt_started(rid, 2)),
               (events.REASONING_DELTA, events.text_delta(rid, 1, "rs_1", "hm")),
               events.final(rid, "completed", usage=USAGE)]
     alice.log(task, script)
