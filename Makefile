@@ -33,6 +33,10 @@ run: model
 test: model
 	$(BIN)/pytest tests
 
+.PHONY: test-unit
+test-unit: model  # the api without an engine, Redis or Postgres (tests/unit): well under a minute
+	$(BIN)/pytest tests/unit
+
 bench: model
 	$(BIN)/python -m tests.bench
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import redis
 
 from common import eventlog
-from common.bus import CHANNEL, decode
+from common.bus import HUB, channel, decode, response_of
 from common.errors import problem
 from common.events import ERROR, FINAL, dumps, sse
 from common.settings import Settings
@@ -74,7 +74,7 @@ class Hub:
             if self.client is not None:
                 self._ensure_thread()
                 if first:
-                    self._redis_call(lambda ps: ps.subscribe(CHANNEL + response_id))
+                    self._redis_call(lambda ps: ps.subscribe(channel(response_id)))
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -86,7 +86,7 @@ class Hub:
             if not subs:
                 del self._subs[sub.response_id]
                 if self.client is not None:
-                    self._redis_call(lambda ps: ps.unsubscribe(CHANNEL + sub.response_id))
+                    self._redis_call(lambda ps: ps.unsubscribe(channel(sub.response_id)))
 
     def _redis_call(self, fn) -> None:
         try:
@@ -97,7 +97,7 @@ class Hub:
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            self._pubsub.subscribe("lmsp:hub")  # keeps the connection in subscribed mode while idle
+            self._pubsub.subscribe(HUB)
             self._thread = threading.Thread(target=self._listen, name="lmsp-hub", daemon=True)
             self._thread.start()
 
@@ -110,7 +110,7 @@ class Hub:
                 continue
             if message is None or message["type"] != "message":
                 continue
-            response_id = message["channel"].decode()[len(CHANNEL):]
+            response_id = response_of(message["channel"])
             batch = decode(message["data"])
             with self._lock:
                 subs = list(self._subs.get(response_id, ()))
@@ -123,7 +123,7 @@ class Hub:
         with self._lock:
             try:
                 self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                self._pubsub.subscribe("lmsp:hub", *(CHANNEL + rid for rid in self._subs))
+                self._pubsub.subscribe(HUB, *map(channel, self._subs))
             except (redis.RedisError, OSError):
                 return
             for subs in self._subs.values():

@@ -1,27 +1,25 @@
-"""The OpenAPI 3.1 description of the whole api, built in code, served at ``GET /lmsp/v1/openapi.json``.
+"""The OpenAPI 3.1 description of the whole api, served at ``GET /lmsp/v1/openapi.json``.
 
-Request bodies come from the pydantic models that validate them (common/protocol.py),
-so the document cannot drift from what the api accepts; response schemas follow
-common/resources.py, api/services/models.py, api/views/* and common/errors.py.
-tests/test_openapi.py checks that every url rule is documented and that real
-answers match their schemas.
+Only the paths and their prose are written here. Every schema is generated from
+the pydantic models that validate requests (common/protocol.py) and serialize
+answers (common/wire.py), so the document cannot drift from what the api does.
 """
 
 import copy
 from functools import lru_cache
 
 from flask import Blueprint
+from pydantic.json_schema import models_json_schema
 
 from api.auth import require
-from api.problems import VERSION
+from common import wire
 from common.errors import CODES
 from common.protocol import ResponseRequest, TaskRequest
-from common.states import STATES
 from common.tokens import RESERVED_SCOPES, SCOPES
+from common.wire import API, VERSION
 
-bp = Blueprint("openapi", __name__, url_prefix="/lmsp/v1")
+bp = Blueprint("openapi", __name__, url_prefix=API)
 
-API = "/lmsp/v1"
 PROBLEM_JSON = "application/problem+json"
 SSE = "text/event-stream"
 REF = "#/components/schemas/{model}"
@@ -31,200 +29,25 @@ def ref(name: str, kind: str = "schemas") -> dict:
     return {"$ref": f"#/components/{kind}/{name}"}
 
 
-def nullable(schema: dict) -> dict:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def obj(properties: dict, required: list[str] | None = None, *, description: str | None = None,
-        extra: bool = True) -> dict:
-    out: dict = {"type": "object", "properties": properties,
-                 "required": list(properties) if required is None else required}
-    if not extra:
-        out["additionalProperties"] = False
-    if description:
-        out["description"] = description
-    return out
-
-
 # -- schemas ------------------------------------------------------------------------------------
-def _request_schemas() -> dict:
-    """The pydantic request models, with their ``$defs`` hoisted into components/schemas."""
-    out: dict = {}
-    for model in (ResponseRequest, TaskRequest):
-        schema = model.model_json_schema(by_alias=True, ref_template=REF)
-        for name, sub in {**schema.pop("$defs", {}), model.__name__: schema}.items():
-            if name in out and out[name] != sub:
-                raise RuntimeError(f"two different request schemas are named {name}")
-            out[name] = sub
-    _require_discriminators(out)
-    return out
+REQUESTS = (ResponseRequest, TaskRequest)
+ANSWERS = (wire.Problem, wire.Response, wire.Task, wire.Model, wire.ModelList, wire.Discovery, wire.Health,
+           wire.Readiness, wire.WebSocketFrame, *dict.fromkeys(wire.EVENTS.values()))
 
 
-def _require_discriminators(schemas: dict) -> None:
-    """pydantic's discriminated unions need the tag even where the model has a default for it
-    (MessageItem.type): mark it required, as the api enforces and OpenAPI asks of a discriminator."""
-
-    def walk(node):
-        if isinstance(node, dict):
-            disc = node.get("discriminator")
-            if isinstance(disc, dict) and "mapping" in disc:
-                for target in disc["mapping"].values():
-                    schema = schemas[target.rsplit("/", 1)[-1]]
-                    if disc["propertyName"] not in schema.setdefault("required", []):
-                        schema["required"].insert(0, disc["propertyName"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(list(schemas.values()))
-
-
-def _problem() -> dict:
+def _schemas() -> dict:
+    """The JSON Schemas of every request (as validated) and answer (as serialized), one namespace."""
+    _, doc = models_json_schema([(m, "validation") for m in REQUESTS] + [(m, "serialization") for m in ANSWERS],
+                                by_alias=True, ref_template=REF)
+    schemas = doc["$defs"]
     codes = ", ".join(f"`{code}` ({c.status})" for code, c in CODES.items())
-    return obj({
-        "type": {"type": "string", "format": "uri-reference",
-                 "description": "`/lmsp/v1/errors#<code>`; `about:blank` for an HTTP error without an LMSP code",
-                 "examples": ["/lmsp/v1/errors#task_not_found"]},
-        "title": {"type": "string", "examples": ["Task not found"]},
-        "status": {"type": "integer", "minimum": 100, "maximum": 599},
-        "code": {"type": "string", "description": f"Machine-readable error code: {codes}.",
-                 "examples": ["task_not_found"]},
-        "detail": {"type": "string"},
-        "instance": {"type": "string", "description": "The request path; absent in problems stored "
-                                                      "inside failed responses and tasks"},
-        "param": {"type": "string", "description": "The offending field or parameter (invalid_request, "
-                                                   "unsupported_capability, ...)"},
-        "scope": {"type": "string", "description": "The missing scope (insufficient_scope)"},
-    }, ["type", "title", "status", "code", "detail"],
-        description="An RFC 9457 problem document (spec 9.3). Other members may appear.")
-
-
-def _response_schemas() -> dict:
-    status = {"type": "string", "enum": ["in_progress", "completed", "incomplete", "failed", "cancelled"]}
-    caps = ["streaming", "tools", "structured_output", "reasoning", "conversations", "event_resume",
-            "resume_snapshots"]
-    unix = {"type": "integer", "description": "Unix seconds"}
-    return {
-        "Problem": _problem(),
-        "Usage": obj({"input_tokens": {"type": "integer", "minimum": 0},
-                      "output_tokens": {"type": "integer", "minimum": 0},
-                      "total_tokens": {"type": "integer", "minimum": 0}}),
-        "IncompleteDetails": obj({"reason": {"type": "string", "examples": ["max_output_tokens"]}}),
-        "OutputTextPart": obj({"type": {"const": "output_text"}, "text": {"type": "string"}}),
-        "OutputMessage": obj({
-            "id": {"type": "string", "examples": ["msg_01J8M6Q4W5C8H2K9P3S7Y1A6ZE"]},
-            "type": {"const": "message"},
-            "role": {"const": "assistant"},
-            "content": {"type": "array", "items": ref("OutputTextPart")}}),
-        "OutputFunctionCall": obj({
-            "id": {"type": "string"},
-            "type": {"const": "function_call"},
-            "call_id": {"type": "string"},
-            "name": {"type": "string"},
-            "arguments": {"type": "string", "description": "JSON-encoded arguments"}}),
-        "OutputReasoning": obj({
-            "id": {"type": "string"},
-            "type": {"const": "reasoning"},
-            "summary": {"type": "array", "items": ref("SummaryPart")}}),
-        "OutputItem": {
-            "oneOf": [ref("OutputMessage"), ref("OutputFunctionCall"), ref("OutputReasoning")],
-            "discriminator": {"propertyName": "type", "mapping": {
-                "message": REF.format(model="OutputMessage"),
-                "function_call": REF.format(model="OutputFunctionCall"),
-                "reasoning": REF.format(model="OutputReasoning")}}},
-        "Response": obj({
-            "id": {"type": "string", "examples": ["resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"]},
-            "object": {"const": "response"},
-            "created_at": unix,
-            "status": status,
-            "model": {"type": "string"},
-            "output": {"type": "array", "items": ref("OutputItem")},
-            "usage": {**nullable(ref("Usage")), "description": "null until the response has finished, "
-                                                                "and for one cancelled before it started"},
-            "error": {**nullable(ref("Problem")), "description": "A problem when status is failed"},
-            "incomplete_details": {**nullable(ref("IncompleteDetails")),
-                                   "description": "An object when status is incomplete"},
-            "previous_response_id": nullable({"type": "string"}),
-        }, description="The response object (spec 6.2)."),
-        "Task": obj({
-            "id": {"type": "string", "examples": ["task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC"]},
-            "object": {"const": "task"},
-            "type": {"const": "response"},
-            "status": {"type": "string", "enum": list(STATES)},
-            "created_at": unix,
-            "updated_at": unix,
-            "response_id": {"type": "string"},
-            "events_url": {"type": "string", "examples": [f"{API}/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events"]},
-            "on_restart": {"type": "string", "enum": ["fail", "retry", "resume"]},
-            "response": {**nullable(ref("Response")), "description": "The response once status is succeeded"},
-            "error": {**nullable(ref("Problem")), "description": "A problem when status is failed"},
-        }, description="The task object (spec 7.1)."),
-        "Capabilities": obj({c: {"type": "boolean"} for c in caps}),
-        "Model": obj({
-            "id": {"type": "string", "examples": ["qwen3:14b-q4_k_m"]},
-            "object": {"const": "model"},
-            "context_window": {"type": "integer", "minimum": 1},
-            "max_output_tokens": {"type": "integer", "minimum": 1},
-            "capabilities": ref("Capabilities"),
-            "status": {"type": "string", "enum": ["ready", "unavailable"],
-                       "description": "ready when at least one live worker serves the model"},
-            "workers": {"type": "integer", "minimum": 0},
-        }, description="A model (spec 8)."),
-        "ModelList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}),
-        "Discovery": obj({
-            "object": {"const": "service"},
-            "version": {"type": "string", "examples": [VERSION]},
-            "protocol": {"const": "LMSP"},
-            "capabilities": {"type": "object", "additionalProperties": {"type": "boolean"}},
-            "paths": {"type": "object", "additionalProperties": {"type": "string"}},
-            "models": {"type": "array", "items": {"type": "string"}},
-        }, description="Service discovery (spec 11.1)."),
-        "Health": obj({"status": {"const": "ok"}}),
-        "Readiness": obj({
-            "status": {"type": "string", "enum": ["ready", "not_ready"]},
-            "checks": obj({"database": {"type": "string"}, "broker": {"type": "string"}},
-                          description="`ok` or `error: <ExceptionName>` per dependency"),
-        }),
-        "OpenAPIDocument": {"type": "object", "description": "This OpenAPI 3.1 document"},
-        # Event payloads (spec 6.3): the JSON in an SSE `data:` line or a WebSocket frame's `data`.
-        "ResponseCreatedData": obj({"response_id": {"type": "string"}, "status": {"const": "in_progress"}}),
-        "OutputItemData": obj({"response_id": {"type": "string"}, "output_index": {"type": "integer"},
-                               "item": ref("OutputItem")}),
-        "TextDeltaData": obj({"response_id": {"type": "string"}, "output_index": {"type": "integer"},
-                              "item_id": {"type": "string"}, "delta": {"type": "string"}}),
-        "CompletedData": obj({"response_id": {"type": "string"}, "status": {"const": "completed"},
-                              "usage": ref("Usage")}),
-        "IncompleteData": obj({"response_id": {"type": "string"}, "status": {"const": "incomplete"},
-                               "incomplete_details": ref("IncompleteDetails"), "usage": ref("Usage")}),
-        "FailedData": obj({"response_id": {"type": "string"}, "status": {"const": "failed"},
-                           "error": ref("Problem")}),
-        "CancelledData": obj({"response_id": {"type": "string"}, "status": {"const": "cancelled"}}),
-        "ErrorData": obj({"error": ref("Problem")}),
-        "WebSocketFrame": obj({
-            "id": {"type": "integer", "minimum": 1}, "event": {"type": "string"},
-            "data": {"type": "object"}}, description="One text frame per event"),
-    }
-
-
-EVENTS = {
-    "response.created": "ResponseCreatedData",
-    "response.output_item.added": "OutputItemData",
-    "response.output_text.delta": "TextDeltaData",
-    "response.reasoning_summary_text.delta": "TextDeltaData",
-    "response.output_item.done": "OutputItemData",
-    "response.completed": "CompletedData",
-    "response.incomplete": "IncompleteData",
-    "response.failed": "FailedData",
-    "response.cancelled": "CancelledData",
-    "error": "ErrorData",
-}
+    schemas["Problem"]["properties"]["code"]["description"] += f": {codes}."
+    return schemas
 
 
 def _sse(description: str) -> dict:
     return {"schema": {"type": "string", "description": description},
-            "x-lmsp-events": {name: ref(schema) for name, schema in EVENTS.items()},
+            "x-lmsp-events": {name: ref(model.__name__) for name, model in wire.EVENTS.items()},
             "example": 'id: 1\nevent: response.created\ndata: {"response_id":"resp_...","status":"in_progress"}\n\n'}
 
 
@@ -349,7 +172,8 @@ def _paths() -> dict:
             "models:read", {"200": json_response("The service", "Discovery"), **errors()})},
         f"{API}/openapi.json": {"get": operation(
             "openapi", "This OpenAPI document", "discovery", "models:read",
-            {"200": json_response("OpenAPI 3.1", "OpenAPIDocument"), **errors()})},
+            {"200": {"description": "OpenAPI 3.1", "headers": _headers(),
+                     "content": {"application/json": {"schema": {"type": "object"}}}}, **errors()})},
         f"{API}/models": {"get": operation(
             "listModels", "List the served models with their live state", "models", "models:read",
             {"200": json_response("The models", "ModelList"), **errors()})},
@@ -436,11 +260,6 @@ def _paths() -> dict:
 
 
 def build() -> dict:
-    schemas = _request_schemas()
-    for name, schema in _response_schemas().items():
-        if name in schemas:
-            raise RuntimeError(f"response schema {name} clashes with a request schema")
-        schemas[name] = schema
     return {
         "openapi": "3.1.0",
         "info": {
@@ -458,7 +277,7 @@ def build() -> dict:
         "security": [{"bearer": []}],
         "paths": _paths(),
         "components": {
-            "schemas": schemas,
+            "schemas": _schemas(),
             "parameters": PARAMETERS,
             "headers": HEADERS,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",

@@ -8,9 +8,9 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from common.errors import LMSPError, problem
+from common.wire import VERSION
 
 log = logging.getLogger("lmsp.api")
-VERSION = "1.0"
 DRAIN_LIMIT = 16 * 1024 * 1024
 _SPOKEN = re.compile(r"1(\.[0-9]+)?")  # any 1.x: minor versions only add
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",

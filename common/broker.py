@@ -6,6 +6,7 @@ per priority step and reads the most urgent first (lower is sooner).
 """
 
 from celery import Celery
+from kombu.exceptions import ChannelError
 
 from common.settings import Settings
 
@@ -19,8 +20,10 @@ def make_celery(settings: Settings) -> Celery:
     if settings.broker.startswith("filesystem"):
         folder = settings.broker_folder
         folder.mkdir(parents=True, exist_ok=True)
-        # The default 1 s poll would add up to a second to every request on one machine.
-        options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "polling_interval": 0.05}
+        # The default 1 s poll would add up to a second to every request on one machine; the exchange
+        # tables (control_folder) would otherwise land in the current directory.
+        options = {"data_folder_in": str(folder), "data_folder_out": str(folder),
+                   "control_folder": str(folder / "control"), "polling_interval": 0.05}
     else:
         # No ack emulation: a message leaves Redis when a worker takes it. Postgres decides who runs a task
         # (the claim) and the sweeper re-sends what may be lost, so Redis needs no unacked set to restore
@@ -46,16 +49,14 @@ def dispatch(celery: Celery, queue: str, payload: dict, priority: int) -> None:
     celery.send_task(RUN_TASK, kwargs=payload, queue=queue, priority=priority)
 
 
-def queue_length(celery: Celery, settings: Settings, queue: str) -> int:
-    """Messages waiting in the broker for ``queue`` (not counting ones a worker holds)."""
-    if settings.broker.startswith("filesystem"):
-        return sum(1 for p in settings.broker_folder.glob("*.msg") if _fs_queue(p) == queue)
+def queue_length(celery: Celery, queue: str) -> int:
+    """Messages waiting in the broker for ``queue`` (not counting ones a worker holds).
+
+    A passive declare asks the transport itself: on Redis it sums every priority list
+    of the queue, and a queue with no list at all (never used, or drained) is not found.
+    """
     with celery.connection_for_write() as conn:
-        client = conn.default_channel.client
-        keys = [queue] + [f"{queue}:{step}" for step in range(1, 10)]
-        return sum(client.llen(key) for key in keys)
-
-
-def _fs_queue(path) -> str:
-    # kombu's filesystem transport names files <timestamp>_<uuid>.<queue>.msg
-    return path.name.split(".", 1)[1].rsplit(".", 1)[0] if "." in path.name else ""
+        try:
+            return conn.default_channel.queue_declare(queue, passive=True).message_count
+        except ChannelError:
+            return 0

@@ -7,11 +7,20 @@ notification changes nothing.
 
 import redis
 
-CHANNEL = "lmsp:events:"
+CHANNEL = "lmsp:events:"   # + response id: the batches of events a writer committed
+CONTROL = "lmsp:control"   # response ids whose generation workers should abort
+HUB = "lmsp:hub"           # never published to: keeps an idle subscriber connection in subscribed mode
 
 
 def channel(response_id: str) -> str:
     return CHANNEL + response_id
+
+
+def response_of(channel_name: str | bytes) -> str:
+    """The response id of an events channel name (the inverse of ``channel``)."""
+    if isinstance(channel_name, bytes):
+        channel_name = channel_name.decode()
+    return channel_name.removeprefix(CHANNEL)
 
 
 def encode(batch: list[tuple[int, str, str]]) -> str:
@@ -52,11 +61,16 @@ class Publisher:
         except redis.RedisError:
             pass  # followers fall back to the log; Redis is expendable
 
-    def control(self, channel_name: str, message: str) -> None:
-        """A hint to workers (e.g. abort a request); they also poll the database."""
+    def abort(self, response_id: str) -> None:
+        """A hint to workers to stop generating ``response_id``; they also poll the database."""
         if self.client is None:
             return
         try:
-            self.client.publish(channel_name, message)
+            self.client.publish(CONTROL, response_id)
         except redis.RedisError:
             pass
+
+
+def aborted(payload: str | bytes) -> str:
+    """The response id of a ``CONTROL`` message (the inverse of ``Publisher.abort``)."""
+    return payload.decode() if isinstance(payload, bytes) else payload

@@ -120,14 +120,9 @@ def cmd_models_list(_args) -> None:
 
 
 # -- processes ---------------------------------------------------------------------------------
-def _gunicorn_argv(settings) -> list[str]:
-    return [sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", str(settings.api_workers),
-            "--threads", str(settings.api_threads), "-b", f"{settings.host}:{settings.port}",
-            "--timeout", "120", "--graceful-timeout", "10", "api.wsgi:app"]
-
-
 def cmd_serve(_args) -> None:
-    argv = _gunicorn_argv(get_settings())
+    from api.serve import gunicorn_argv
+    argv = gunicorn_argv(get_settings())
     os.execv(argv[0], argv)
 
 
@@ -161,7 +156,8 @@ def cmd_dev(_args) -> None:
     say(f"a token for principal 'dev' is in {token_file}")
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children on SIGTERM too, not only Ctrl-C
     children = [subprocess.Popen([sys.executable, "-m", "worker", "--model", m]) for m in models]
-    api = subprocess.Popen(_gunicorn_argv(settings))
+    from api.serve import gunicorn_argv
+    api = subprocess.Popen(gunicorn_argv(settings))
     children.append(api)
     say(f"serving on http://{settings.host}:{settings.port} (models load in ~1 minute; Ctrl-C stops)")
     try:

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from common.errors import LMSPError
+from common.wire import OnRestart
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
@@ -151,7 +152,7 @@ class ResponseRequest(Strict):
 class TaskRequest(Strict):
     type: Literal["response"]
     input: ResponseRequest
-    on_restart: Literal["fail", "retry", "resume"] = "fail"
+    on_restart: OnRestart = OnRestart.FAIL
 
 
 

@@ -1,37 +1,24 @@
-"""The response (6.2) and task (7.1) objects as clients see them."""
+"""The response (6.2) and task (7.1) objects of stored rows, as clients see them."""
 
+from common import wire
 from common.states import FAILED, SUCCEEDED
 from common.tables import Response, Task
 
-API = "/lmsp/v1"
-
 
 def response_object(r: Response) -> dict:
-    return {
-        "id": r.id,
-        "object": "response",
-        "created_at": int(r.created_at),
-        "status": "in_progress" if r.status == "queued" else r.status,
-        "model": r.model,
-        "output": r.output or [],
-        "usage": r.usage,
-        "error": r.error,
-        "incomplete_details": r.incomplete_details,
-        "previous_response_id": r.previous_response_id,
-    }
+    return _response(r).wire()
+
+
+def _response(r: Response) -> wire.Response:
+    return wire.Response(
+        id=r.id, created_at=int(r.created_at), model=r.model, output=r.output or [], usage=r.usage,
+        status="in_progress" if r.status == "queued" else r.status,
+        error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
 
 
 def task_object(t: Task, r: Response | None) -> dict:
-    return {
-        "id": t.id,
-        "object": "task",
-        "type": t.type,
-        "status": t.status,
-        "created_at": int(t.created_at),
-        "updated_at": int(t.updated_at),
-        "response_id": t.response_id,
-        "events_url": f"{API}/tasks/{t.id}/events",
-        "on_restart": t.on_restart,
-        "response": response_object(r) if t.status == SUCCEEDED and r is not None else None,
-        "error": t.error if t.status == FAILED else None,
-    }
+    return wire.Task(
+        id=t.id, type=t.type, status=t.status, created_at=int(t.created_at), updated_at=int(t.updated_at),
+        response_id=t.response_id, events_url=f"{wire.API}/tasks/{t.id}/events", on_restart=t.on_restart,
+        response=_response(r) if t.status == SUCCEEDED and r is not None else None,
+        error=t.error if t.status == FAILED else None).wire()

@@ -20,8 +20,11 @@ def task(session, status: str, *, owner: str = "factory", model: str = "m", on_r
                         status="in_progress", stored=True, created_at=now, updated_at=now)
     session.add(response)
     session.flush()
+    # A task past queued is owned by the attempt of a worker, as a claim leaves it.
+    live = status in ("loading", "running", "cancelling")
     row = Task(id=new_id("task"), principal_id=owner, response_id=response.id, type="response", model=model,
-               status=status, on_restart=on_restart, attempt=0, created_at=now, updated_at=now,
+               status=status, on_restart=on_restart, attempt=1 if live else 0,
+               worker_id="factory-worker" if live else None, created_at=now, updated_at=now,
                events_expired=False)
     session.add(row)
     session.flush()

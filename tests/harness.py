@@ -57,6 +57,11 @@ def model_entry(model_id: str, **overrides) -> dict:
     return entry
 
 
+def api_argv(port: int, workers: int, threads: int) -> list[str]:
+    from api.serve import gunicorn_argv
+    return gunicorn_argv(Settings(host="127.0.0.1", port=port, api_workers=workers, api_threads=threads))
+
+
 class Stack:
     """One test run's configuration: its database, its models file, its processes."""
 
@@ -114,10 +119,9 @@ class Stack:
         raise TimeoutError(f"worker {worker_id} not ready:\n{text[-4000:]}")
 
     def start_api(self, workers: int = 1, threads: int = 64, **env) -> str:
+        """The api as `lmsp serve` launches it, on a free port."""
         port = free_port()
-        self.spawn([sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", str(workers), "--threads",
-                    str(threads), "-b", f"127.0.0.1:{port}", "--timeout", "120", "api.wsgi:app"],
-                   f"api-{port}.log", **env)
+        self.spawn(api_argv(port, workers, threads), f"api-{port}.log", **env)
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while time.time() < deadline:

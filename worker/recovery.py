@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from common import eventlog, lifecycle
 from common.broker import BACKGROUND, dispatch
+from common.bus import CONTROL, aborted
 from common.db import transaction
 from common.registry import queue_name
 from common.states import CANCELLING, LIVE
@@ -255,10 +256,10 @@ def _control_listener(ctx: WorkerContext) -> None:
     while not ctx.stopping.is_set():
         try:
             pubsub = ctx.publisher.client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe("lmsp:control")
+            pubsub.subscribe(CONTROL)
             while not ctx.stopping.is_set():
                 message = pubsub.get_message(timeout=1.0)
                 if message and message["type"] == "message":
-                    ctx.cancel(message["data"].decode())
+                    ctx.cancel(aborted(message["data"]))
         except (redis.RedisError, OSError):
             time.sleep(1)

@@ -18,8 +18,6 @@ from common.resources import response_object, task_object
 from common.states import FAILED, QUEUED, SUCCEEDED, R
 from common.tables import Response, Task
 
-CONTROL_CHANNEL = "lmsp:control"
-
 
 def _response_row(prepared: Prepared, principal: str, status: R, stored: bool) -> Response:
     req = prepared.request
@@ -52,7 +50,7 @@ def abort_direct(svc: Services, response_id: str) -> None:
     with svc.sessions() as session:
         lifecycle.abort_direct(session, response_id)
         session.commit()
-    svc.publisher.control(CONTROL_CHANNEL, response_id)
+    svc.publisher.abort(response_id)
 
 
 def final_from_row(svc: Services, response_id: str):
@@ -114,7 +112,7 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
         session.commit()
         svc.publisher.publish_many(publish)
         if notify:
-            svc.publisher.control(CONTROL_CHANNEL, task.response_id)
+            svc.publisher.abort(task.response_id)
         task = get_task(session, principal, task_id)
         if task.status in (SUCCEEDED, FAILED):  # it finished while we tried
             raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")

@@ -25,7 +25,7 @@ def readyz():
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         checks["database"] = f"error: {type(exc).__name__}"
     try:
-        queue_length(svc.celery, svc.settings, "lmsp.readyz")
+        queue_length(svc.celery, "lmsp.readyz")
         checks["broker"] = "ok"
     except Exception as exc:  # noqa: BLE001
         checks["broker"] = f"error: {type(exc).__name__}"

@@ -91,7 +91,7 @@ def main() -> None:
     sys.stdout.flush()
     STDOUT_FD = os.dup(1)
     os.dup2(2, 1)
-    from common.cli import _gunicorn_argv
+    from api.serve import gunicorn_argv
     from common.db import make_engine, session_factory, upgrade
     from common.settings import Settings
     from tests.bench import service as svc
@@ -121,7 +121,7 @@ def main() -> None:
         # The api exactly as `lmsp serve` runs it (gthread, LMSP_API_WORKERS x LMSP_API_THREADS).
         prod = Settings(host="127.0.0.1", port=free_port())
         meta["api"] = f"gunicorn gthread {prod.api_workers} workers x {prod.api_threads} threads"
-        api_proc = stack.spawn(_gunicorn_argv(prod), "api-prod.log")
+        api_proc = stack.spawn(gunicorn_argv(prod), "api-prod.log")
         base = f"http://127.0.0.1:{prod.port}"
         wait_http(base + "/healthz", tmp / "api-prod.log")
         log(f"api up at {base} ({meta['api']})")
@@ -315,10 +315,9 @@ def wait_http(url: str, logfile: Path, timeout: float = 60) -> None:
 
 def start_api(stack, log_name: str, workers: int, threads: int) -> str:
     """Like tests.harness.Stack.start_api (same argv), with a wait that survives slow boots."""
-    from tests.harness import free_port
+    from tests.harness import api_argv, free_port
     port = free_port()
-    stack.spawn([sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", str(workers), "--threads",
-                 str(threads), "-b", f"127.0.0.1:{port}", "--timeout", "120", "api.wsgi:app"], log_name)
+    stack.spawn(api_argv(port, workers, threads), log_name)
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/healthz", stack.tmp / log_name)
     return base

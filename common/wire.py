@@ -1,0 +1,276 @@
+"""Every shape the service sends (spec 6.2, 6.3, 7.1, 8, 9.3, 11.1), as pydantic models.
+
+The api serializes its answers with them and api/openapi.py generates the
+document's schemas from them, so what is documented is what is sent. Request
+shapes are in common/protocol.py.
+"""
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from common import events, registry
+from common.states import STATES
+
+API = "/lmsp/v1"
+VERSION = "1.0"
+
+
+class OnRestart(StrEnum):
+    """What happens to a task whose worker went away (7.5)."""
+    FAIL = "fail"
+    RETRY = "retry"
+    RESUME = "resume"
+
+
+class ResponseStatus(StrEnum):
+    """A response's status as clients see it (6.2); a row waiting for a worker is ``in_progress``."""
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TaskStatus = Literal[tuple(STATES)]
+UnixSeconds = Annotated[int, Field(description="Unix seconds")]
+Count = Annotated[int, Field(ge=0)]
+
+
+class Shape(BaseModel):
+    """A shape the service sends exactly: every member, no other."""
+    model_config = ConfigDict(extra="forbid", json_schema_serialization_defaults_required=True)
+
+    def wire(self) -> dict:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def _absent_not_null(schema: dict) -> None:
+    for prop in schema["properties"].values():
+        if "default" in prop and prop["default"] is None:
+            del prop["default"]  # a member without a value is left out, never null
+
+
+Absent = Annotated[str | SkipJsonSchema[None], Field(exclude_if=lambda value: value is None)]
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document (spec 9.3). Other members may appear."""
+    model_config = ConfigDict(extra="allow", json_schema_extra=_absent_not_null)
+
+    type: str = Field(description="`/lmsp/v1/errors#<code>`; `about:blank` for an HTTP error without an "
+                                  "LMSP code", examples=["/lmsp/v1/errors#task_not_found"],
+                      json_schema_extra={"format": "uri-reference"})
+    title: str = Field(examples=["Task not found"])
+    status: int = Field(ge=100, le=599)
+    code: str = Field(description="Machine-readable error code (common/errors.py)", examples=["task_not_found"])
+    detail: str
+    instance: Absent = Field(None, description="The request path; absent in problems stored inside failed "
+                                               "responses and tasks")
+    param: Absent = Field(None, description="The offending field or parameter")
+    scope: Absent = Field(None, description="The missing scope (insufficient_scope)")
+
+
+class Capabilities(registry.Capabilities, Shape):
+    """A model's capabilities (spec 8); the service's are what at least one model offers."""
+
+
+class Usage(Shape):
+    input_tokens: Count
+    output_tokens: Count
+    total_tokens: Count
+
+
+class IncompleteDetails(Shape):
+    reason: str = Field(examples=["max_output_tokens"])
+
+
+class OutputText(Shape):
+    type: Literal["output_text"]
+    text: str
+
+
+class SummaryText(Shape):
+    type: Literal["summary_text"]
+    text: str
+
+
+class OutputMessage(Shape):
+    id: str = Field(examples=["msg_01J8M6Q4W5C8H2K9P3S7Y1A6ZE"])
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(Shape):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="JSON-encoded arguments")
+
+
+class OutputReasoning(Shape):
+    id: str
+    type: Literal["reasoning"]
+    summary: list[SummaryText]
+
+
+OutputItem = Annotated[OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")]
+
+
+class Response(Shape):
+    """The response object (spec 6.2)."""
+    id: str = Field(examples=["resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"])
+    object: Literal["response"] = "response"
+    created_at: UnixSeconds
+    status: ResponseStatus
+    model: str
+    output: list[OutputItem]
+    usage: Usage | None = Field(description="null until the response has finished, and for one cancelled "
+                                            "before it started")
+    error: Problem | None = Field(description="A problem when status is failed")
+    incomplete_details: IncompleteDetails | None = Field(description="An object when status is incomplete")
+    previous_response_id: str | None
+
+
+class Task(Shape):
+    """The task object (spec 7.1)."""
+    id: str = Field(examples=["task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC"])
+    object: Literal["task"] = "task"
+    type: Literal["response"]
+    status: TaskStatus
+    created_at: UnixSeconds
+    updated_at: UnixSeconds
+    response_id: str
+    events_url: str = Field(examples=[f"{API}/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events"])
+    on_restart: OnRestart
+    response: Response | None = Field(description="The response once status is succeeded")
+    error: Problem | None = Field(description="A problem when status is failed")
+
+
+class Model(Shape):
+    """A model with its live serving state (spec 8)."""
+    id: str = Field(examples=["qwen3:14b-q4_k_m"])
+    object: Literal["model"] = "model"
+    context_window: int = Field(ge=1)
+    max_output_tokens: int = Field(ge=1)
+    capabilities: Capabilities
+    status: Literal["ready", "unavailable"] = Field(
+        description="ready when at least one live worker serves the model")
+    workers: Count
+
+
+class ModelList(Shape):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class Paths(Shape):
+    models: str = f"{API}/models"
+    responses: str = f"{API}/responses"
+    tasks: str = f"{API}/tasks"
+    openapi: str = f"{API}/openapi.json"
+
+
+class Discovery(Shape):
+    """Service discovery (spec 11.1)."""
+    object: Literal["service"] = "service"
+    version: str = Field(VERSION, examples=[VERSION])
+    protocol: Literal["LMSP"] = "LMSP"
+    capabilities: Capabilities = Field(description="What the service offers; each model says what it offers")
+    paths: Paths = Paths()
+    models: list[str]
+
+
+class Health(Shape):
+    status: Literal["ok"] = "ok"
+
+
+class Checks(Shape):
+    """`ok` or `error: <ExceptionName>` per dependency."""
+    database: str
+    broker: str
+
+
+class Readiness(Shape):
+    status: Literal["ready"] = "ready"
+    checks: Checks
+
+
+# -- event payloads (spec 6.3): the JSON of an SSE `data:` line or a WebSocket frame's `data` ----------
+class ResponseCreated(Shape):
+    response_id: str
+    status: Literal["in_progress"]
+
+
+class OutputItemEvent(Shape):
+    response_id: str
+    output_index: Count
+    item: OutputItem
+
+
+class TextDelta(Shape):
+    response_id: str
+    output_index: Count
+    item_id: str
+    delta: str
+
+
+class Completed(Shape):
+    response_id: str
+    status: Literal["completed"]
+    usage: Usage
+
+
+class Incomplete(Shape):
+    response_id: str
+    status: Literal["incomplete"]
+    incomplete_details: IncompleteDetails
+    usage: Usage
+
+
+class Failed(Shape):
+    response_id: str
+    status: Literal["failed"]
+    error: Problem
+
+
+class Cancelled(Shape):
+    response_id: str
+    status: Literal["cancelled"]
+
+
+class ErrorEvent(Shape):
+    error: Problem
+
+
+class AttemptStarted(Shape):
+    """Extension event: a new attempt starts from scratch after a restart; a client discards what it
+    built from the response's earlier events."""
+    response_id: str
+    attempt: int = Field(ge=1)
+
+
+EVENTS: dict[str, type[Shape]] = {
+    events.CREATED: ResponseCreated,
+    events.ITEM_ADDED: OutputItemEvent,
+    events.TEXT_DELTA: TextDelta,
+    events.REASONING_DELTA: TextDelta,
+    events.ITEM_DONE: OutputItemEvent,
+    events.COMPLETED: Completed,
+    events.INCOMPLETE: Incomplete,
+    events.FAILED: Failed,
+    events.CANCELLED: Cancelled,
+    events.ERROR: ErrorEvent,
+    events.ATTEMPT_STARTED: AttemptStarted,
+}
+
+
+class WebSocketFrame(Shape):
+    """One text frame per event."""
+    id: int = Field(ge=1)
+    event: str
+    data: dict

@@ -1,0 +1,30 @@
+"""queue_length on kombu's Redis transport (real Redis, no engine): every priority list of a queue counts."""
+
+import uuid
+
+import pytest
+import redis
+
+from common.broker import BACKGROUND, INTERACTIVE, dispatch, make_celery, queue_length
+from common.settings import Settings
+from tests.harness import REDIS_URL
+
+
+@pytest.fixture
+def celery(tmp_path):
+    return make_celery(Settings(home=tmp_path, broker_url=REDIS_URL))
+
+
+def test_queue_length_counts_every_priority(celery):
+    queue = f"lmsp.test.{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert queue_length(celery, queue) == 0  # no list at all: kombu says not found, which is empty
+        for priority in (INTERACTIVE, 3, BACKGROUND, BACKGROUND, 9):
+            dispatch(celery, queue, {"task_id": "t"}, priority)
+        assert len(client.keys(queue + "*")) == 4  # one list per priority step used
+        assert queue_length(celery, queue) == 5
+        assert queue_length(celery, queue + ".interactive") == 0
+    finally:
+        client.delete(*client.keys(queue + "*") or [queue])
+    assert queue_length(celery, queue) == 0

@@ -1,0 +1,126 @@
+"""Following a response's events (api/live.py) on a SQLite log without Redis: replay, then live, each seq
+once and in order, closed after the final event; and the same through GET /tasks/{id}/events."""
+
+import threading
+import time
+
+from api.live import Hub, follow
+from common import events
+from tests.harness import parse_sse
+
+ITEM = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+DONE = {**ITEM, "content": [{"type": "output_text", "text": "Hi!"}]}
+USAGE = {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
+
+
+def _script(rid: str) -> list[tuple[str, dict]]:
+    return [(events.CREATED, events.created(rid)), (events.ITEM_ADDED, events.item_added(rid, 0, ITEM)),
+            (events.TEXT_DELTA, events.text_delta(rid, 0, "msg_1", "Hi")),
+            (events.TEXT_DELTA, events.text_delta(rid, 0, "msg_1", "!")),
+            (events.ITEM_DONE, events.item_done(rid, 0, DONE)), events.final(rid, "completed", usage=USAGE)]
+
+
+def _hub(unit) -> Hub:
+    hub = Hub(unit.settings, unit.sessions)
+    assert not hub.live  # no Redis in the unit layer: the follower polls the log
+    return hub
+
+
+class Follower(threading.Thread):
+    """follow() in a thread, as a request thread runs it; records what it yields and when it ends."""
+
+    def __init__(self, hub, rid, after=0, heartbeat=0.1):
+        super().__init__(daemon=True)
+        self.args = (hub, rid, after)
+        self.heartbeat = heartbeat
+        self.batches: list = []
+        self.done = threading.Event()
+
+    def run(self):
+        for batch in follow(*self.args, logged=True, heartbeat=self.heartbeat):
+            self.batches.append(batch)
+        self.done.set()
+
+    @property
+    def seqs(self) -> list[int]:
+        return [seq for batch in self.batches if batch for seq, _, _ in batch]
+
+    def wait_for(self, n: int, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.seqs) < n:
+            assert time.monotonic() < deadline, f"saw {self.seqs}, waited for {n}"
+            time.sleep(0.01)
+
+
+def test_replay_of_a_finished_log_ends_with_the_final_event(unit, alice):
+    task = alice.task("succeeded")
+    alice.log(task, _script(task.response_id))
+    batches = list(follow(_hub(unit), task.response_id, 0, logged=True, heartbeat=1))
+    got = [event for batch in batches for event in batch]
+    assert [seq for seq, _, _ in got] == [1, 2, 3, 4, 5, 6]
+    assert [name for _, name, _ in got] == [name for name, _ in _script(task.response_id)]
+    assert got[-1][1] == events.COMPLETED
+
+
+def test_replay_after_a_seq(unit, alice):
+    task = alice.task("succeeded")
+    alice.log(task, _script(task.response_id))
+    got = [seq for batch in follow(_hub(unit), task.response_id, 4, logged=True, heartbeat=1) for seq, _, _ in batch]
+    assert got == [5, 6]
+
+
+def test_nothing_after_the_final_event(unit, alice):
+    task = alice.task("succeeded")
+    script = _script(task.response_id)
+    alice.log(task, [script[0], script[-1], script[1]])  # a stray event after the final one
+    got = [name for batch in follow(_hub(unit), task.response_id, 0, logged=True, heartbeat=1) for _, name, _ in batch]
+    assert got == [events.CREATED, events.COMPLETED]
+
+
+def test_live_events_follow_the_replay_each_once(unit, alice):
+    task = alice.task("running")
+    script = _script(task.response_id)
+    alice.log(task, script[:2])
+    follower = Follower(_hub(unit), task.response_id)
+    follower.start()
+    follower.wait_for(2)
+    for seq in range(3, 6):  # one commit per event, as a slow writer would
+        alice.log(task, [script[seq - 1]], first=seq)
+        time.sleep(0.02)
+    follower.wait_for(5)
+    assert not follower.done.is_set()  # no final event yet: the stream stays open ...
+    time.sleep(0.3)
+    assert None in follower.batches    # ... with heartbeats while idle
+    alice.log(task, [script[5]], first=6)
+    assert follower.done.wait(10)
+    assert follower.seqs == [1, 2, 3, 4, 5, 6]
+    assert follower.batches[-1][-1][1] == events.COMPLETED
+
+
+def test_sse_endpoint_replays_then_follows_then_closes(unit, alice):
+    task = alice.task("running")
+    script = _script(task.response_id)
+    alice.log(task, script[:3])
+    result: dict = {}
+
+    def read():
+        client = unit.app.test_client()
+        resp = client.get(f"/lmsp/v1/tasks/{task.id}/events", headers={"Authorization": f"Bearer {alice.secret}"})
+        result["status"], result["mimetype"] = resp.status_code, resp.mimetype
+        result["text"] = resp.get_data(as_text=True)  # returns only once the server closes the stream
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.3)
+    alice.log(task, script[3:], first=4)
+    reader.join(10)
+    assert not reader.is_alive(), "the stream did not close after the final event"
+    assert result["status"] == 200 and result["mimetype"] == "text/event-stream"
+    received = parse_sse(result["text"].split("\n"))
+    assert [seq for seq, _, _ in received] == [1, 2, 3, 4, 5, 6]
+    assert received[-1][1] == events.COMPLETED and received[-1][2]["usage"] == USAGE
+    # Resuming: `after` wins over Last-Event-ID.
+    resp = alice.get(f"/lmsp/v1/tasks/{task.id}/events?after=4", headers={"Last-Event-ID": "1"})
+    assert [seq for seq, _, _ in parse_sse(resp.get_data(as_text=True).split("\n"))] == [5, 6]
+    resp = alice.get(f"/lmsp/v1/tasks/{task.id}/events", headers={"Last-Event-ID": "5"})
+    assert [seq for seq, _, _ in parse_sse(resp.get_data(as_text=True).split("\n"))] == [6]
