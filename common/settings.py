@@ -53,6 +53,11 @@ class Settings(BaseSettings):
     port: int = 8080
     api_workers: int = 2
     api_threads: int = 256  # one per open event stream (gthread)
+    # Operations: logs, the worker's /readyz + /metrics port, the drain on SIGTERM.
+    log_format: str = "text"          # "json": one object a line with task, response and worker ids
+    worker_metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = 9400   # 0: no port; a supervisor gives its Nth child port + N
+    drain_seconds: float = 120.0      # SIGTERM: running generations get this long to finish
 
     @property
     def db_url(self) -> str:
