@@ -18,6 +18,7 @@ import redis
 import requests
 import yaml
 from flask import Flask
+from kubernetes_validate.utils import latest_version
 from sqlalchemy import create_engine, text
 
 from common.broker import BACKGROUND, dispatch, make_celery
@@ -26,7 +27,7 @@ from common.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
-KUBERNETES = "1.37.0"
+KUBERNETES = latest_version()  # the newest schemas kubernetes-validate bundles
 SETTINGS_ENV = {f"LMSP_{name.upper()}" for name in Settings.model_fields}
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 
