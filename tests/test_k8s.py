@@ -9,7 +9,6 @@ import json
 import re
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import jsonschema
 import kubernetes_validate
@@ -24,6 +23,8 @@ from sqlalchemy import create_engine, text
 from common.broker import BACKGROUND, dispatch, make_celery
 from common.registry import queue_name
 from common.settings import Settings
+from tests.harness import free_port
+from tests.test_metrics import fake_ctx
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -331,9 +332,7 @@ def test_probes_name_routes_that_answer(rendered):
     app = Flask(__name__)
     app.register_blueprint(health.bp)
     api_routes = {rule.rule for rule in app.url_map.iter_rules()}
-    settings = Settings(worker_metrics_host="127.0.0.1", worker_metrics_port=_free_port())
-    server = metrics.start_metrics_server(SimpleNamespace(settings=settings, spec=SimpleNamespace(id="probe:1"),
-                                                          ready=lambda: True, engine=SimpleNamespace(running=lambda: 0)))
+    server = metrics.start_metrics_server(fake_ctx(free_port(), [True]))
     try:
         for workload, template in pods(rendered):
             for c in template["spec"]["containers"]:
@@ -350,12 +349,6 @@ def test_probes_name_routes_that_answer(rendered):
         server.shutdown()
         server.server_close()
 
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_pods_run_non_root_read_only_with_pinned_images(rendered):

@@ -15,6 +15,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import factories
+from tests.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,11 +66,6 @@ def test_api_metrics_count_tasks_queues_and_workers_from_the_database(app):
     assert got[("lmsp_worker_up", (("model", "m"), ("worker", "h:gpu1")))] == 0
     assert got[("lmsp_worker_running_requests", (("model", "m"), ("worker", "h:gpu0")))] == 3
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_ctx(port: int, ready: list[bool]):

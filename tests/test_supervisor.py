@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from worker.supervisor import parse_gpus
 
@@ -133,3 +134,40 @@ def test_supervisor_refuses_an_unknown_model_before_starting_anything(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "LMSP_HOME": str(tmp_path)})
     assert done.returncode == 1 and "nope:1" in done.stderr and "started" not in done.stderr
+
+
+def test_real_worker_under_the_supervisor_has_its_gpu_and_id_and_stops_on_sigterm(stack, tmp_path):
+    """One real worker (vLLM on CPU) under the supervisor: the worker row and its engine carry the
+    id host:gpu0; SIGTERM to the supervisor stops the worker and its engine. (The engine's and
+    Celery's process titles overwrite /proc/PID/environ, so the pinning is checked above.)"""
+    import uuid
+
+    from sqlalchemy import create_engine, select
+
+    from common.tables import Worker
+    from tests.harness import engine_pids, model_entry
+
+    model, host = f"sup:{uuid.uuid4().hex[:8]}", f"t{uuid.uuid4().hex[:8]}"
+    worker_id = f"{host}:gpu0"
+    models = tmp_path / "models.yaml"
+    models.write_text(yaml.safe_dump({"models": [model_entry(model, engine={
+        "dtype": "bfloat16", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True})]}))
+    driver = ("import sys; from worker.supervisor import Supervisor, worker_argv; "
+              "sys.exit(Supervisor(worker_argv(sys.argv[1]), [0], host=sys.argv[2]).run())")
+    log = stack.tmp / f"supervisor-{host}.log"
+    proc = stack.spawn([sys.executable, "-c", driver, model, host], log.name, LMSP_MODELS_FILE=str(models))
+    wait_for(lambda: " ready." in log.read_text(errors="replace") or proc.poll() is not None, timeout=600)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    engine = create_engine(stack.database_url)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(select(Worker.model, Worker.stopped_at).where(Worker.id == worker_id)).one()
+        assert row == (model, None)
+        assert engine_pids(worker_id)   # the engine is tagged with the worker's id
+        stack.stop(proc, timeout=120)
+        assert proc.returncode == 0, log.read_text()[-3000:]
+        with engine.connect() as conn:
+            assert conn.execute(select(Worker.stopped_at).where(Worker.id == worker_id)).scalar_one() is not None
+        assert not engine_pids(worker_id)
+    finally:
+        engine.dispose()
