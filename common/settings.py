@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = 5.0
     sweep_seconds: float = 10.0
     requeue_after_seconds: int = 60   # a queued task older than this with no claim is dispatched again
-    drain_seconds: float = 60.0       # SIGTERM: running generations get this long before they are handed on
+    drain_seconds: float = 120.0      # SIGTERM: running generations get this long before they are handed on
     # Event pipeline.
     delta_window_ms: float = 20.0     # coalesce token deltas over this window ...
     delta_max_tokens: int = 16        # ... or this many tokens, whichever first
@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     port: int = 8080
     api_workers: int = 2
     api_threads: int = 256  # one per open event stream (gthread)
+    # Operations: logs, the worker's /readyz + /metrics port, the drain on SIGTERM.
+    log_format: str = "text"          # "json": one object a line with task, response and worker ids
+    worker_metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = 9400   # 0: no port; a supervisor gives its Nth child port + N
 
     @property
     def db_url(self) -> str:

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import Client, user
 
@@ -151,5 +152,8 @@ def test_metrics_need_admin(stack, api, alice, model_id):
     admin = Client(api, stack.token("ops", "admin"))
     text = admin.get("/metrics")
     assert text.status_code == 200 and text.headers["Content-Type"].startswith("text/plain")
-    assert f'lmsp_worker_up{{worker="test-{model_id}",model="{model_id}"}} 1' in text.text
-    assert f'lmsp_tasks{{model="{stack.fault_model}",status="cancelled"}}' in text.text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text.text) for s in family.samples}
+    assert samples[("lmsp_worker_up", (("model", model_id), ("worker", f"test-{model_id}")))] == 1
+    assert samples[("lmsp_tasks", (("model", stack.fault_model), ("status", "cancelled")))] >= 1
+    assert ("lmsp_queue_depth", (("model", model_id),)) in samples

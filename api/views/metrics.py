@@ -1,38 +1,60 @@
-"""Prometheus text (spec 11.1): every tenant's figures, so it needs scope admin."""
+"""Prometheus metrics (spec 11.1) of the whole service, read from the database at each scrape so every
+api replica answers the same. Every tenant's figures: it needs scope admin. Each worker serves its
+own process's figures on its metrics port (worker/metrics.py)."""
 
 import time
 
 from flask import Blueprint, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 
 from api.auth import require
-from api.extensions import services
+from api.extensions import Services, services
+from common.states import QUEUED
 from common.tables import Task, Worker
 
 bp = Blueprint("metrics", __name__)
 
+FAMILIES = {  # name: (help, labels)
+    "lmsp_tasks": ("Tasks by model and state.", ["model", "status"]),
+    "lmsp_queue_depth": ("Tasks queued for a worker, by model.", ["model"]),
+    "lmsp_worker_up": ("1 while the worker's lease is fresh.", ["worker", "model"]),
+    "lmsp_worker_running_requests": ("Engine requests in flight at the worker's last heartbeat.",
+                                     ["worker", "model"]),
+}
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+class ServiceFigures:
+    def __init__(self, svc: Services):
+        self.svc = svc
+
+    def describe(self):
+        return [GaugeMetricFamily(name, help_text, labels=labels) for name, (help_text, labels) in FAMILIES.items()]
+
+    def collect(self):
+        tasks, queue, up, running = self.describe()
+        depth = dict.fromkeys(self.svc.registry.models, 0)
+        with self.svc.sessions() as session:
+            for model, status, count in session.execute(
+                    select(Task.model, Task.status, func.count()).group_by(Task.model, Task.status)):
+                tasks.add_metric([model, status], count)
+                if status == QUEUED:
+                    depth[model] = count
+            workers = session.execute(select(Worker.id, Worker.model, Worker.heartbeat_at, Worker.running).where(
+                Worker.stopped_at.is_(None))).all()
+        for model, count in depth.items():
+            queue.add_metric([model], count)
+        alive_after = time.time() - self.svc.settings.lease_seconds
+        for worker, model, heartbeat_at, in_flight in workers:
+            up.add_metric([worker, model], int(heartbeat_at > alive_after))
+            running.add_metric([worker, model], in_flight)
+        return [tasks, queue, up, running]
 
 
 @bp.get("/metrics")
 @require("admin")
 def metrics():
-    svc = services()
-    lines = ["# HELP lmsp_tasks Tasks by model and state.", "# TYPE lmsp_tasks gauge"]
-    with svc.sessions() as session:
-        for model, status, count in session.execute(
-                select(Task.model, Task.status, func.count()).group_by(Task.model, Task.status)):
-            lines.append(f'lmsp_tasks{{model="{_label(model)}",status="{status}"}} {count}')
-        workers = session.execute(select(Worker.id, Worker.model, Worker.heartbeat_at, Worker.running).where(
-            Worker.stopped_at.is_(None))).all()
-    alive_after = time.time() - svc.settings.lease_seconds
-    lines += ["# HELP lmsp_worker_up 1 while the worker's lease is fresh.", "# TYPE lmsp_worker_up gauge"]
-    lines += [f'lmsp_worker_up{{worker="{_label(w)}",model="{_label(m)}"}} {int(hb > alive_after)}'
-              for w, m, hb, _ in workers]
-    lines += ["# HELP lmsp_worker_running_requests Engine requests in flight at the last heartbeat.",
-              "# TYPE lmsp_worker_running_requests gauge"]
-    lines += [f'lmsp_worker_running_requests{{worker="{_label(w)}",model="{_label(m)}"}} {running}'
-              for w, m, _, running in workers]
-    return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
+    registry = CollectorRegistry()
+    registry.register(ServiceFigures(services()))
+    return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,193 @@
+"""The images and the one-host deployment, checked without a container engine: the Containerfile
+parses and passes our lint rules, its install steps are the Makefile's, and compose.yaml's services,
+volumes, GPUs and settings refer to things that exist."""
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+
+from common.registry import Registry
+from common.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {"cpu": "cpu", "gpu": "gpu"}  # image target: the pyproject extra it installs
+SETTINGS_ENV = {f"LMSP_{name.upper()}" for name in Settings.model_fields}
+
+
+# -- Containerfile --------------------------------------------------------------------------------------
+def stages() -> dict[str, list[dict]]:
+    """Stage name -> its instructions (the FROM first)."""
+    parsed = DockerfileParser(fileobj=(ROOT / "Containerfile").open("rb"))
+    out, current = {}, None
+    for instr in parsed.structure:
+        if instr["instruction"] == "FROM":
+            current = instr["value"].split()[-1]
+            out[current] = []
+        if current and instr["instruction"] != "COMMENT":
+            out[current].append(instr)
+    return out
+
+
+def global_args() -> dict[str, str]:
+    parsed = DockerfileParser(fileobj=(ROOT / "Containerfile").open("rb"))
+    args = {}
+    for instr in parsed.structure:
+        if instr["instruction"] == "FROM":
+            break
+        if instr["instruction"] == "ARG" and "=" in instr["value"]:
+            key, value = instr["value"].split("=", 1)
+            args[key] = value
+    return args
+
+
+def chain(name: str, all_stages: dict) -> list[str]:
+    """The stage and the stages it is built FROM, nearest first."""
+    out = [name]
+    while (parent := all_stages[out[-1]][0]["value"].split()[0]) in all_stages:
+        out.append(parent)
+    return out
+
+
+def env_of(target: str, all_stages: dict) -> dict[str, str]:
+    env = {}
+    for stage in reversed(chain(target, all_stages)):
+        for instr in all_stages[stage]:
+            if instr["instruction"] == "ENV":
+                env.update(dict(part.split("=", 1) for part in shlex.split(instr["value"])))
+    return env
+
+
+def test_containerfile_lint_rules():
+    all_stages, args = stages(), global_args()
+    assert set(TARGETS) <= set(all_stages)
+    for name, body in all_stages.items():
+        base = body[0]["value"].split()[0]
+        base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+        if base not in all_stages:   # an outside image: pinned to a version, never latest
+            assert re.fullmatch(r"[\w./-]+:\d[\w.-]*(@sha256:[0-9a-f]{64})?", base), f"{name}: unpinned {base}"
+        for instr in body:
+            value = instr["value"]
+            assert instr["instruction"] not in ("ADD", "MAINTAINER"), f"{name}: use COPY / LABEL"
+            if instr["instruction"] == "COPY" and "--from=" in value:
+                assert re.search(r"--from=(\S+)", value).group(1) in all_stages
+            if instr["instruction"] == "RUN":
+                assert "sudo " not in value and "curl " not in value and "wget " not in value
+                assert "pip install" not in value, "the project installs through the Makefile only"
+                if "apt-get install" in value:
+                    assert "apt-get update" in value and "--no-install-recommends" in value \
+                        and "rm -rf /var/lib/apt/lists/*" in value
+    for target in TARGETS:
+        instrs = [i for stage in reversed(chain(target, all_stages)) for i in all_stages[stage]]
+        users = [i["value"] for i in instrs if i["instruction"] == "USER"]
+        assert users and users[-1].split(":")[0] not in ("root", "0"), f"{target} runs as root"
+        volumes = " ".join(i["value"] for i in instrs if i["instruction"] == "VOLUME")
+        env = env_of(target, all_stages)
+        assert env["LMSP_HOME"] in volumes   # the model cache is a volume
+        assert env["PATH"].startswith("/opt/lmsp/bin:")
+        assert any(i["instruction"] in ("CMD", "ENTRYPOINT") for i in instrs)
+
+
+def make_install_of(target: str) -> list[str]:
+    """The `make install ...` arguments the target's build stage runs."""
+    all_stages = stages()
+    copy = next(i["value"] for i in all_stages[target] if i["instruction"] == "COPY" and "--from=" in i["value"])
+    build_stage = re.search(r"--from=(\S+)", copy).group(1)
+    runs = [shlex.split(i["value"]) for i in all_stages[build_stage] if i["instruction"] == "RUN"]
+    assert len(runs) == 1 and runs[0][:2] == ["make", "install"], runs
+    return runs[0][2:]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_image_installs_with_the_makefiles_own_install_target(target, tmp_path):
+    args = dict(a.split("=", 1) for a in make_install_of(target))
+    env = env_of(target, stages())
+    assert env["PATH"].split(":")[0] == args["VENV"] + "/bin"   # `lmsp` on PATH is the venv's
+    # What `make install` runs with the image's arguments (make -n prints it), for a venv not yet made.
+    dry = subprocess.run(["make", "-n", "install", *[f"{k}={v}" for k, v in {**args, "VENV": str(tmp_path / "v")}
+                                                     .items()]], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    pip = [line for line in dry.splitlines() if re.search(r"/pip install .*\"\.\[", line)]
+    assert len(pip) == 1 and f'".[{TARGETS[target]}]"' in pip[0] and " -e " not in pip[0], dry
+    # The CPU-only clean-up of CUDA torchvision is keyed on the same extra.
+    assert f'if [ "{TARGETS[target]}" = cpu ]; then' in dry and "uninstall --quiet -y torchvision" in dry
+    assert f"{tmp_path / 'v'}/.installed" in dry
+    # A workstation's `make install` is the same recipe: editable, with the dev tools.
+    local = subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'w'}", f"EXTRA={TARGETS[target]}"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert f'-e ".[{TARGETS[target]},dev]"' in local
+
+
+def test_build_context_leaves_out_the_venv_and_git():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git"} <= set(ignored)
+
+
+# -- compose.yaml ----------------------------------------------------------------------------------------
+def interpolate(text: str) -> str:
+    """Compose's ${VAR:-default} / ${VAR:?message} / ${VAR}, with every variable unset."""
+    def one(m):
+        default = m.group(2) or ""
+        assert not default.startswith("?"), f"{m.group(1)} must be set: nothing to check offline"
+        return default[2:] if default.startswith(":-") else default
+    return re.sub(r"\$\{(\w+)((?::-|:\?|-)[^}]*)?\}", one, text)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(interpolate((ROOT / "compose.yaml").read_text()))
+
+
+def workers(compose) -> dict[str, list[str]]:
+    return {name: s["command"] for name, s in compose["services"].items() if s.get("command", [])[:2] == ["lmsp", "worker"]}
+
+
+def test_compose_services_refer_to_what_exists(compose):
+    services, volumes = compose["services"], compose.get("volumes") or {}
+    long_running = {name for name, s in services.items() if s.get("restart") != "no"}
+    for name, service in services.items():
+        for dep, cond in service.get("depends_on", {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            wanted = cond["condition"]
+            assert wanted in ("service_started", "service_healthy", "service_completed_successfully")
+            assert wanted != "service_healthy" or "healthcheck" in services[dep]
+            assert wanted != "service_completed_successfully" or dep not in long_running
+        for mount in service.get("volumes", []):
+            source = mount.split(":")[0]
+            assert (ROOT / source).exists() if source.startswith(".") else source in volumes, mount
+        if "build" in service:
+            assert service["build"]["target"] in stages()
+            assert (ROOT / service["build"]["dockerfile"]).exists()
+        if name in long_running:
+            assert "healthcheck" in service, f"{name} has no healthcheck"
+        for key in service.get("environment", {}):
+            assert not key.startswith("LMSP_") or key in SETTINGS_ENV, f"{name}: {key} is read by nothing"
+
+
+def test_compose_runs_one_worker_service_per_model_on_its_own_gpus(compose):
+    services = compose["services"]
+    registry = Registry.load(ROOT / "compose.models.yaml")
+    seen_models, seen_gpus = set(), set()
+    for name, argv in workers(compose).items():
+        service = services[name]
+        model, gpus = argv[argv.index("--model") + 1], argv[argv.index("--gpus") + 1]
+        assert model in registry.models and model not in seen_models
+        indices = [int(g) for g in gpus.split(",")]
+        assert not seen_gpus & set(indices), f"{name}: a GPU in two services"
+        seen_models.add(model)
+        seen_gpus |= set(indices)
+        # The healthcheck asks every worker's port: 9400 + N for N in range(len(--gpus)).
+        port = Settings.model_fields["worker_metrics_port"].default
+        assert f"{{{port} + n}}/readyz" in service["healthcheck"]["test"][-1]
+        assert f"range({len(indices)})" in service["healthcheck"]["test"][-1]
+        drain = float(service["environment"]["LMSP_DRAIN_SECONDS"])
+        assert int(service["stop_grace_period"].rstrip("s")) >= drain + 30
+        assert service["hostname"] and service["deploy"]["resources"]["reservations"]["devices"]
+    assert seen_models == set(registry.models), "a registered model with no worker service"
+    api = services["api"]
+    assert api["environment"]["LMSP_DATABASE_URL"].split("@")[1].split(":")[0] in services
+    assert api["environment"]["LMSP_REDIS_URL"].split("//")[1].split(":")[0] in services

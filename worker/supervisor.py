@@ -1,0 +1,164 @@
+"""``lmsp worker --model ID --gpus 0,1,2,3|all``: one worker process per GPU of this host.
+
+Each child sees only its GPU (``CUDA_VISIBLE_DEVICES``) and has a stable id, ``host:gpuN``
+(``LMSP_WORKER_ID``), so a child started again finishes the bookkeeping of its own tasks; the Nth
+child's metrics port is ``LMSP_WORKER_METRICS_PORT`` + N. A child that exits is started again after
+a backoff that doubles while it keeps dying young. SIGTERM or SIGINT is passed on to every child as
+SIGTERM (each drains its tasks) and the supervisor waits for all of them; a second signal kills them.
+"""
+
+import argparse
+import ctypes
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from common import logs
+from common.errors import LMSPError
+from common.registry import Registry
+from common.settings import get_settings
+
+log = logging.getLogger("lmsp.supervisor")
+_PR_SET_PDEATHSIG = 1
+
+
+def parse_gpus(text: str) -> list[int]:
+    if text.strip() == "all":
+        return visible_gpus()
+    try:
+        gpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpus takes 'all' or GPU indices like 0,1,2, not {text!r}") from None
+    if min(gpus) < 0 or len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus takes distinct GPU indices from 0, not {text!r}")
+    return gpus
+
+
+def visible_gpus() -> list[int]:
+    """The GPUs ``nvidia-smi -L`` lists (``GPU 0: NVIDIA A100 ... (UUID: ...)``)."""
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True,
+                                 timeout=60).stdout
+    except FileNotFoundError:
+        raise ValueError("--gpus all needs nvidia-smi on PATH; name the GPUs instead, e.g. --gpus 0,1") from None
+    except subprocess.CalledProcessError as exc:
+        raise ValueError(f"nvidia-smi -L failed: {exc.stderr.strip() or exc.returncode}") from None
+    gpus = [int(n) for n in re.findall(r"^GPU (\d+):", listing, re.MULTILINE)]
+    if not gpus:
+        raise ValueError("nvidia-smi -L lists no GPU")
+    return gpus
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: if the supervisor is SIGKILLed, its workers get SIGTERM.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    gpu: int
+    env: dict
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    backoff: float = 0.0
+    restart_at: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.env["LMSP_WORKER_ID"]
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], gpus: list[int], *, host: str | None = None, metrics_port: int = 0,
+                 min_backoff: float = 1.0, max_backoff: float = 60.0, stable_after: float = 60.0):
+        self.argv = argv
+        self.min_backoff, self.max_backoff, self.stable_after = min_backoff, max_backoff, stable_after
+        host = host or socket.gethostname()
+        self.children = []
+        for n, gpu in enumerate(gpus):
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "LMSP_WORKER_ID": f"{host}:gpu{gpu}"}
+            env["LMSP_WORKER_METRICS_PORT"] = str(metrics_port + n if metrics_port else 0)
+            self.children.append(Child(gpu, env))
+        self.signals = 0
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals += 1
+        log.info("%s: stopping %d workers%s", signal.Signals(signum).name, len(self.children),
+                 "" if self.signals == 1 else " now (second signal: killing them)")
+
+    def _start(self, child: Child) -> None:
+        # A group of its own: Ctrl-C reaches the supervisor only, which passes SIGTERM on once.
+        child.proc = subprocess.Popen(self.argv, env=child.env, process_group=0, preexec_fn=_die_with_parent)
+        child.started = time.monotonic()
+        log.info("started %s (pid %d) on GPU %d", child.worker_id, child.proc.pid, child.gpu)
+
+    def _reap(self, child: Child, now: float) -> None:
+        code, lived = child.proc.returncode, now - child.started
+        child.proc = None
+        young = lived < self.stable_after
+        child.backoff = min(self.max_backoff, max(self.min_backoff, child.backoff * 2)) if young else self.min_backoff
+        child.restart_at = now + child.backoff
+        log.error("%s exited with %s after %.1f s; starting it again in %.1f s",
+                  child.worker_id, code, lived, child.backoff)
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        for child in self.children:
+            self._start(child)
+        while not self.signals:
+            now = time.monotonic()
+            for child in self.children:
+                if child.proc is not None and child.proc.poll() is not None:
+                    self._reap(child, now)
+                if child.proc is None and now >= child.restart_at:
+                    self._start(child)
+            time.sleep(0.2)
+        return self._stop()
+
+    def _stop(self) -> int:
+        running = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        killed = False
+        while any(proc.poll() is None for proc in running):
+            if self.signals > 1 and not killed:
+                for proc in running:
+                    if proc.poll() is None:
+                        proc.kill()
+                killed = True
+            time.sleep(0.2)
+        log.info("every worker has stopped")
+        return 0
+
+
+def worker_argv(model: str) -> list[str]:
+    return [sys.executable, "-m", "worker", "--model", model]
+
+
+def main(model: str, gpus: str) -> int:
+    logs.setup()
+    settings = get_settings()
+    try:
+        Registry.load(settings.models_path).get(model)
+        indices = parse_gpus(gpus)
+    except LMSPError as exc:
+        sys.exit(f"lmsp worker: {exc.detail} (registry: {settings.models_path})")
+    except ValueError as exc:
+        sys.exit(f"lmsp worker: {exc}")
+    return Supervisor(worker_argv(model), indices, metrics_port=settings.worker_metrics_port).run()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m worker.supervisor",
+                                     description="one worker per GPU of this host for one model")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--gpus", required=True, help="'all' (what nvidia-smi -L lists) or indices: 0,1,2,3")
+    args = parser.parse_args()
+    sys.exit(main(args.model, args.gpus))
