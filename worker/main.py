@@ -13,13 +13,14 @@ import sys
 
 from celery.signals import worker_shutting_down
 
+from common import logs
 from common.broker import RUN_TASK, make_celery
 from common.bus import Publisher
 from common.db import NotMigrated, ensure_migrated, make_engine, session_factory
 from common.errors import LMSPError
 from common.registry import Registry
 from common.settings import get_settings
-from worker import interactive, recovery, runner
+from worker import interactive, metrics, recovery, runner
 from worker.context import WorkerContext
 from worker.interactive import interactive_reserve
 from worker.writer import EventWriter
@@ -114,8 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--gpu", type=int)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(build(args.model, args.gpu))
+    logs.setup()
+    ctx = build(args.model, args.gpu)
+    logs.bind_process(worker_id=ctx.worker_id)
+    metrics.start_metrics_server(ctx)  # after the engine loaded: the startup probe means "loaded"
+    serve(ctx)
 
 
 if __name__ == "__main__":

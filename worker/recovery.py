@@ -23,7 +23,7 @@ from common.db import transaction
 from common.registry import queue_name
 from common.states import CANCELLING, LIVE
 from common.tables import IdempotencyRecord, Response, Task
-from worker import runner
+from worker import metrics, runner
 from worker.context import WorkerContext
 from worker.engine import kill_stale_engines
 
@@ -79,6 +79,7 @@ def _take_over(ctx: WorkerContext, task_id: str, attempt: int, owner: str) -> No
         model = session.get(Task, task_id).model if send else None
     if send or publish:
         log.info("took over %s from %s (lease expired)", task_id, owner)
+        metrics.TAKEOVERS.labels(model=ctx.spec.id).inc()
     ctx.publisher.publish_many(publish)
     if model is not None:
         dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
@@ -201,6 +202,7 @@ def drain(ctx: WorkerContext) -> None:
     for task_id, attempt in rows:
         runner.hand_on(ctx, task_id, attempt, "The worker running this task was stopped before it finished")
     fail_direct(ctx, [ctx.worker_id])  # a direct stream cannot move: its client retries elsewhere
+    metrics.DRAIN_SECONDS.labels(model=ctx.spec.id).observe(time.monotonic() - started)
     log.info("drained in %.1f s; %d tasks handed on", time.monotonic() - started, len(rows))
 
 

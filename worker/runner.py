@@ -11,7 +11,7 @@ import time
 from sqlalchemy.exc import IntegrityError
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from common import events, lifecycle
+from common import events, lifecycle, logs
 from common.broker import BACKGROUND, dispatch
 from common.errors import problem
 from common.events import dumps
@@ -19,8 +19,9 @@ from common.lifecycle import Attempt, Fenced
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest
 from common.registry import queue_name
-from common.states import R
+from common.states import TASK_OUTCOME, R
 from common.tables import Response, Task
+from worker import metrics
 from worker.context import WorkerContext
 from worker.engine import GenParams
 from worker.output import OutputBuilder
@@ -92,6 +93,7 @@ class Job:
         output_tokens, finish_reason, error = prior_output_tokens, None, None
         window, max_window_tokens = settings.delta_window_ms / 1000, settings.delta_max_tokens
         pending, pending_tokens, last_flush, started = "", 0, 0.0, False
+        began = first_token_at = time.monotonic()
         with ctx.lock:
             entry.request_id = f"{self.rid}:{self.attempt.number}:{time.monotonic_ns()}"
         try:
@@ -100,7 +102,7 @@ class Job:
             elif not (entry.cancelled or entry.fenced):
                 for delta in engine.generate(entry.request_id, prompt, params):
                     if not started:
-                        started = True
+                        started, first_token_at = True, time.monotonic()
                         if self.attempt.task_id is not None and not ctx.write(
                                 lambda s: lifecycle.start(s, self.attempt)):
                             entry.cancelled = True
@@ -127,6 +129,10 @@ class Job:
                 raise EngineLost() from exc
             log.exception("generation failed for %s", self.rid)
             error = problem("generation_failed", f"The engine failed: {type(exc).__name__}")
+        if started:
+            metrics.observe_generation(ctx.spec.id, "task" if self.attempt.task_id else "direct",
+                                       first_token_at - began, output_tokens - prior_output_tokens,
+                                       time.monotonic() - first_token_at)
         if entry.fenced:
             return
         if ctx.stopping.is_set() and not entry.cancelled and finish_reason is None:
@@ -151,9 +157,12 @@ class Job:
             ctx.writer.flush()  # every earlier event is in the log (or refused) before the final one
         try:
             if entry.write_error is None:
-                ctx.write(lambda s: lifecycle.finish(
+                publish = ctx.write(lambda s: lifecycle.finish(
                     s, self.attempt, status, first_seq=self.seq + 1, emitted=emitted, output=output,
                     usage=usage, error=error, logged=self.logged))
+                if self.attempt.task_id is not None:
+                    final = json.loads(next(iter(publish.values()))[-1][2])  # a cancel may have won
+                    metrics.TASKS_FINISHED.labels(model=ctx.spec.id, status=TASK_OUTCOME[final["status"]]).inc()
                 return
         except IntegrityError:
             entry.write_error = problem("generation_failed", "the final event collides with one already logged")
@@ -169,6 +178,11 @@ class Job:
 
 def run_task(ctx: WorkerContext, task_id: str) -> None:
     """A broker delivery: claim the task (queued, or handed on mid-run), or drop a duplicate."""
+    with logs.bound(task_id=task_id):
+        _run_task(ctx, task_id)
+
+
+def _run_task(ctx: WorkerContext, task_id: str) -> None:
     if not ctx.ready():
         # Not claiming (engine down, draining): give the message back for another worker, or for us
         # once ready again, without spinning.
@@ -217,14 +231,23 @@ def hand_on(ctx: WorkerContext, task_id: str, attempt: int | None, why: str, **k
 
     def tx(session):
         send, publish = lifecycle.hand_on(session, task_id, error=error, attempt=attempt, **kw)
-        return (session.get(Task, task_id).model if send else None), publish
+        task = session.get(Task, task_id)
+        return (send, task.model, task.on_restart, task.status), publish
 
-    model, _ = ctx.write(tx)
-    if model is not None:  # it waits for a worker of its model, at the front of the queue
+    (send, model, policy, status), publish = ctx.write(tx)
+    if send or publish:
+        outcome = {"cancelled": "cancelled", "failed": "failed"}.get(status, "requeued")
+        metrics.POLICY_OUTCOMES.labels(model=model, policy=policy, outcome=outcome).inc()
+    if send:  # it waits for a worker of its model, at the front of the queue
         dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
 
 
 def run_direct(ctx: WorkerContext, response_id: str) -> None:
+    with logs.bound(response_id=response_id):
+        _run_direct(ctx, response_id)
+
+
+def _run_direct(ctx: WorkerContext, response_id: str) -> None:
     claimed = ctx.write(lambda s: lifecycle.claim_direct(s, response_id, ctx.worker_id))
     if claimed is None:
         return

@@ -18,6 +18,7 @@ from common.bus import Publisher
 from common.db import retrying, transaction
 from common.errors import problem
 from common.lifecycle import Attempt
+from worker import metrics
 
 log = logging.getLogger("lmsp.writer")
 Event = tuple[int, str, str]
@@ -93,6 +94,7 @@ class EventWriter:
             for attempt, event in pending:
                 grouped[attempt].append(event)
             accepted = self._commit(grouped)
+            metrics.EVENTS_WRITTEN.inc(sum(len(grouped[a]) for a in accepted))
             self.publisher.publish_many({a.response_id: grouped[a] for a in accepted})
             with self._cond:
                 self._committed = upto
