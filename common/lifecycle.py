@@ -239,7 +239,7 @@ def _finish_direct(session: Session, attempt: Attempt, status: R, **kw) -> Publi
 
 # -- handing a task on -----------------------------------------------------------------------------
 def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None = None,
-            owner_expired_after: float | None = None) -> tuple[bool, Publish]:
+            owner_expired_after: float | None = None, unstarted_again: bool = False) -> tuple[bool, Publish]:
     """An attempt ended without an outcome (its worker restarted, drained, lost its engine or its
     lease): apply the task's ``on_restart`` policy (7.5). ``cancelling`` -> ``cancelled`` whatever the
     policy; ``fail`` -> ``failed`` with ``error``; ``retry``/``resume`` -> the task keeps its state with
@@ -247,6 +247,8 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
 
     ``attempt`` is the attempt the caller saw (a stale view changes nothing); ``owner_expired_after``
     makes it a takeover: it wins only while the owner's lease is still expired by the database's clock.
+    ``unstarted_again``: a task still ``loading`` (no token generated, nothing that could have had an
+    effect) is run again whatever its policy: its engine died under it, the service did not restart.
     Returns (whether a broker message must be sent for the task, events to publish).
     """
     where = [Task.status.in_(LIVE)]
@@ -263,7 +265,7 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
     if task.status == CANCELLING:
         transition(session, task_id, CANCELLED, only_from=[CANCELLING])
         return False, _task_final(session, task, R.CANCELLED)
-    if task.on_restart == "fail":
+    if task.on_restart == "fail" and not (unstarted_again and task.status == LOADING):
         transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error)
         return False, _task_final(session, task, R.FAILED, error=error)
     session.execute(update(Task).where(Task.id == task_id).values(

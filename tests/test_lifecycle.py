@@ -166,3 +166,16 @@ def test_due_dispatches_spaces_copies_per_task(sessions):
         assert set(lifecycle.due_dispatches(session, "mq", 60, force=True)) == {ids[2]}
         session.execute(update(Task).where(Task.id.in_(ids)).values(dispatched_at=db_now() - 2))
         assert set(lifecycle.due_dispatches(session, "mq", 60, force=True)) == set(ids)
+
+
+def test_a_task_whose_engine_died_before_its_first_token_runs_again_whatever_its_policy(sessions):
+    task_id, _ = new_task(sessions, "fail")
+    attempt = claim(sessions, task_id, "w1").attempt  # loading: not one token yet
+    with transaction(sessions) as session:
+        send, _ = lifecycle.hand_on(session, task_id, error={}, attempt=attempt.number, unstarted_again=True)
+    assert send and status(sessions, task_id)[:1] == ("loading",)
+    attempt = claim(sessions, task_id, "w2").attempt
+    with transaction(sessions) as session:
+        lifecycle.start(session, attempt)  # it generated: now its policy applies
+        send, _ = lifecycle.hand_on(session, task_id, error={}, attempt=attempt.number, unstarted_again=True)
+    assert not send and status(sessions, task_id)[0] == "failed"

@@ -210,7 +210,8 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
         raise  # the task stays with its attempt: the drain or the next boot hands it on
     except Exception as exc:  # noqa: BLE001 - a bug must not leave a claimed task unfinished forever
         if isinstance(exc, EngineLost) or ctx.engine.dead or not ctx.engine_ok.is_set():
-            hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed")
+            hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed",
+                    unstarted_again=True)
             return
         log.exception("task %s failed unexpectedly", task_id)
         error = problem("generation_failed", "The worker failed on this task; the error is logged")
