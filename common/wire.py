@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from common import events, registry
-from common.states import STATES
+from common.states import STATES, ResponseState
 
 API = "/lmsp/v1"
 VERSION = "1.0"
@@ -25,16 +25,9 @@ class OnRestart(StrEnum):
     RESUME = "resume"
 
 
-class ResponseStatus(StrEnum):
-    """A response's status as clients see it (6.2); a row waiting for a worker is ``in_progress``."""
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    INCOMPLETE = "incomplete"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-TaskStatus = Literal[tuple(STATES)]
+# A response's status as clients see it (6.2): a row waiting for a worker is ``in_progress``.
+ResponseStatus = Literal[tuple(s.value for s in ResponseState if s is not ResponseState.QUEUED)]
+TaskStatus = Literal[tuple(s.value for s in STATES)]
 UnixSeconds = Annotated[int, Field(description="Unix seconds")]
 Count = Annotated[int, Field(ge=0)]
 
