@@ -92,7 +92,7 @@ def import_gguf(path: Path, model_id: str, *, reasoning_parser=None, tool_call_p
     registry = Registry.load(settings.models_path)
     registry.put(ModelSpec(
         id=model_id, checkpoint=str(out), context_window=window, max_output_tokens=min(window, 4096),
-        engine={"dtype": "bfloat16", "max_model_len": window, "max_num_seqs": 64, "enforce_eager": True},
+        engine={"dtype": "auto", "max_model_len": window, "max_num_seqs": 64, "enforce_eager": True},
         capabilities=Capabilities(reasoning=reasoning_parser is not None),
         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser))
     registry.save(settings.models_path)

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 from api.extensions import Services
 from api.services.models import live_workers
 from api.services.validation import Prepared
-from common import eventlog, events
-from common.broker import BACKGROUND, INTERACTIVE, dispatch
+from common import eventlog, events, interactive_wire
+from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError
 from common.events import dumps
 from common.ids import new_id
@@ -49,7 +49,7 @@ def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
         row = _response_row(prepared, principal, "queued", stored)
         session.add(row)
         session.commit()
-    dispatch(svc.celery, prepared.spec.interactive_queue, {"response_id": row.id}, INTERACTIVE)
+    interactive_wire.send(svc.celery, prepared.spec.interactive_queue, row.id)
     return row.id
 
 
