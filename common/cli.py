@@ -114,9 +114,11 @@ def cmd_models_default(_args) -> None:
 
 
 def cmd_models_list(_args) -> None:
-    from common.registry import Registry
+    from common.registry import Registry, detect_machine, resolve_engine
+    machine = detect_machine()  # engine settings as a worker on this machine resolves them
     for spec in Registry.load(get_settings().models_path).models.values():
-        print(f"{spec.id}\t{spec.checkpoint}\tcontext={spec.context_window}")
+        print(f"{spec.id}\t{spec.checkpoint}\tcontext={spec.context_window}\t"
+              f"{resolve_engine(spec, machine).summary()}")
 
 
 # -- processes ---------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ async def measure(checkpoint: str, dtype: str) -> dict:
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
-    async def one() -> tuple[float, int]:
+    async def one(llm) -> tuple[float, int]:
         start, first, tokens = time.perf_counter(), None, 0
         async for out in llm.generate(PROMPT, params, uuid.uuid4().hex):
             tokens += len(out.outputs[0].token_ids)
@@ -36,14 +36,15 @@ async def measure(checkpoint: str, dtype: str) -> dict:
         return first, tokens
 
     try:
-        await asyncio.gather(*(one() for _ in range(4)))  # warm-up
-        ttft = sorted([(await one())[0] for _ in range(5)])[2]
+        await asyncio.gather(*(one(llm) for _ in range(4)))  # warm-up
+        ttft = sorted([(await one(llm))[0] for _ in range(5)])[2]
         start = time.perf_counter()
-        done = await asyncio.gather(*(one() for _ in range(REQUESTS)))
+        done = await asyncio.gather(*(one(llm) for _ in range(REQUESTS)))
         elapsed = time.perf_counter() - start
         return {"dtype": dtype, "tokens_per_s": sum(t for _, t in done) / elapsed, "ttft_s": ttft}
     finally:
         llm.shutdown()
+        del llm  # now: AsyncLLM.__del__ at interpreter exit fails ("'NoneType' object is not callable")
 
 
 def main() -> None:
