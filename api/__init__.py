@@ -35,8 +35,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions),
         limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url),
         sender=ThreadPoolExecutor(1, "lmsp-dispatch"))
-    # Tokenizers count input tokens on every request: load them now, once, not inside the first
-    # requests (transformers' lazy imports are not safe to race from many threads).
+    # Tokenizers count input tokens on every request: load them now, once, not inside the first requests.
     for spec in app.extensions["lmsp"].registry.models.values():
         try:
             load_tokenizer(spec.checkpoint)

@@ -92,7 +92,7 @@ def import_gguf(path: Path, model_id: str, *, reasoning_parser=None, tool_call_p
     registry = Registry.load(settings.models_path)
     registry.put(ModelSpec(
         id=model_id, checkpoint=str(out), context_window=window, max_output_tokens=min(window, 4096),
-        engine={"dtype": "bfloat16", "max_model_len": window, "max_num_seqs": 64, "enforce_eager": True},
+        engine={"dtype": "auto", "max_model_len": window, "max_num_seqs": 64, "enforce_eager": True},
         capabilities=Capabilities(reasoning=reasoning_parser is not None),
         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser))
     registry.save(settings.models_path)
@@ -114,9 +114,11 @@ def cmd_models_default(_args) -> None:
 
 
 def cmd_models_list(_args) -> None:
-    from common.registry import Registry
+    from common.registry import Registry, detect_machine, resolve_engine
+    machine = detect_machine()  # engine settings as a worker on this machine resolves them
     for spec in Registry.load(get_settings().models_path).models.values():
-        print(f"{spec.id}\t{spec.checkpoint}\tcontext={spec.context_window}")
+        print(f"{spec.id}\t{spec.checkpoint}\tcontext={spec.context_window}\t"
+              f"{resolve_engine(spec, machine).summary()}")
 
 
 # -- processes ---------------------------------------------------------------------------------

@@ -1,6 +1,11 @@
-"""The served models (``models.yaml``): checkpoint, engine arguments, limits, capabilities."""
+"""The served models (``models.yaml``): checkpoint, engine arguments, limits, capabilities,
+and the engine settings they resolve to on the machine at hand (``resolve_engine``)."""
 
+import json
+import math
+import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -25,7 +30,7 @@ class ModelSpec(BaseModel):
     context_window: int
     max_output_tokens: int
     engine: dict = Field(default_factory=dict)   # vLLM engine arguments (dtype, max_model_len, max_num_seqs, ...)
-    kv_cache_gib: float = 4                       # VLLM_CPU_KVCACHE_SPACE on CPU machines
+    kv_cache_gib: float | None = None             # CPU KV cache; None: sized from free memory
     capabilities: Capabilities = Field(default_factory=Capabilities)
     tool_call_parser: str | None = None           # "hermes": <tool_call>{json}</tool_call>
     reasoning_parser: str | None = None           # "think": <think>...</think> (Qwen3, DeepSeek-R1)
@@ -83,3 +88,123 @@ class Registry:
 
     def put(self, spec: ModelSpec) -> None:
         self.models[spec.id] = spec
+
+
+# -- engine settings for this machine ---------------------------------------------------------
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # without one of these, bf16 is emulated and ~5x slower
+KV_MEMORY_FRACTION = 0.25  # of MemAvailable at most, for an auto-sized CPU KV cache
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Machine:
+    device: str                    # "cpu" or "cuda"
+    cpu_flags: frozenset[str]
+    cpus: tuple[int, ...]          # the CPUs this process may run on
+    mem_available: int             # bytes
+    cuda_bf16: bool = False
+
+
+def detect_machine() -> Machine:
+    """What the engine will run on; imports torch only where a GPU driver is present."""
+    flags: frozenset[str] = frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = frozenset(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        mem = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        mem = 0
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    if Path("/dev/nvidiactl").exists():
+        import torch
+        if torch.cuda.is_available():
+            return Machine("cuda", flags, cpus, mem, cuda_bf16=torch.cuda.is_bf16_supported())
+    return Machine("cpu", flags, cpus, mem)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    args: dict                                  # vLLM engine arguments, nothing left to "auto"
+    env: dict = field(default_factory=dict)     # for the engine processes (VLLM_CPU_*)
+    resolved: dict = field(default_factory=dict)  # what was chosen and why, for logs and `lmsp models list`
+
+    def summary(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.resolved.items())
+
+
+def resolve_dtype(requested: str, machine: Machine) -> tuple[str, str]:
+    if requested != "auto":
+        return requested, "model"
+    if machine.device == "cuda":
+        return ("bfloat16", "auto: GPU has bf16") if machine.cuda_bf16 else ("float16", "auto: GPU lacks bf16")
+    native = [f for f in CPU_BF16_FLAGS if f in machine.cpu_flags]
+    if native:
+        return "bfloat16", f"auto: CPU has {native[0]}"
+    return "float32", "auto: CPU has no " + "/".join(CPU_BF16_FLAGS)
+
+
+def _kv_bytes_per_token(checkpoint: str, dtype: str) -> int | None:
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        config = config.get("text_config", config)
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads", heads)
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)  # K and V
+
+
+def resolve_engine(spec: ModelSpec, machine: Machine, environ=None) -> EngineSettings:
+    """``spec.engine`` made concrete for ``machine``. An explicit value wins: the operator's
+    environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), then the model's entry."""
+    environ = os.environ if environ is None else environ
+    args = dict(spec.engine)
+    dtype, why = resolve_dtype(str(args.get("dtype", "auto")), machine)
+    args["dtype"] = dtype
+    resolved = {"device": machine.device, "dtype": f"{dtype} ({why})"}
+    env: dict[str, str] = {}
+    if machine.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"], resolved["kv_cache"] = _cpu_kv_cache(spec, args, machine, environ)
+        resolved["omp_threads"] = _cpu_threads(machine, environ)
+    return EngineSettings(args=args, env=env, resolved=resolved)
+
+
+def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tuple[str, str]:
+    if environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return environ["VLLM_CPU_KVCACHE_SPACE"], f"{environ['VLLM_CPU_KVCACHE_SPACE']} GiB (environment)"
+    if spec.kv_cache_gib is not None:
+        gib = max(1, math.ceil(spec.kv_cache_gib))
+        return str(gib), f"{gib} GiB (model)"
+    # Enough for every sequence of a full batch at full length, within a share of free memory.
+    per_token = _kv_bytes_per_token(spec.checkpoint, args["dtype"])
+    length = int(args.get("max_model_len") or spec.context_window)
+    want = per_token * length * spec.max_num_seqs if per_token else 4 << 30
+    cap = int(machine.mem_available * KV_MEMORY_FRACTION)
+    gib = max(1, math.ceil(min(want, cap) / (1 << 30)) if cap else math.ceil(want / (1 << 30)))
+    return str(gib), (f"{gib} GiB (auto: full batch needs {want / (1 << 30):.1f} GiB, "
+                      f"{machine.mem_available / (1 << 30):.0f} GiB free)")
+
+
+def _cpu_threads(machine: Machine, environ) -> str:
+    """vLLM's CPU backend binds its OpenMP threads itself ("auto": one per physical core of the
+    first NUMA node) and keeps the last core (VLLM_CPU_NUM_OF_RESERVED_CPU, default 1) free for
+    its scheduler, which is also where this worker's own threads run. Described here, not changed."""
+    bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind != "auto":
+        return f"{bind} (environment)"
+    reserved = int(environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
+    if len(machine.cpus) <= reserved:
+        return f"{_cpus(machine.cpus)} (auto; too few CPUs to keep one free)"
+    return (f"{_cpus(machine.cpus[:-reserved])} (auto), {_cpus(machine.cpus[-reserved:])} left for "
+            "the scheduler and worker threads")
+
+
+def _cpus(cpus) -> str:
+    return ",".join(map(str, cpus))

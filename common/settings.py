@@ -39,6 +39,7 @@ class Settings(BaseSettings):
     delta_max_tokens: int = 16        # ... or this many tokens, whichever first
     sse_heartbeat_seconds: float = 0.5
     poll_interval_seconds: float = 0.05  # how often followers re-read the log without Redis
+    max_task_wait_seconds: int = 30      # cap of GET /tasks/{id}?wait=N (long poll)
     # Limits (spec 10).
     max_body_bytes: int = 1024 * 1024
     max_json_depth: int = 32

@@ -50,7 +50,7 @@ def free_port() -> int:
 def model_entry(model_id: str, **overrides) -> dict:
     entry = {
         "id": model_id, "checkpoint": str(CHECKPOINT), "context_window": 2048, "max_output_tokens": 1024,
-        "engine": {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 32, "enforce_eager": True},
+        "engine": {"dtype": "auto", "max_model_len": 2048, "max_num_seqs": 32, "enforce_eager": True},
         "kv_cache_gib": 1,
     }
     entry.update(overrides)

@@ -5,11 +5,21 @@ asyncio pool, so the engine lives on one long-lived loop in a daemon thread.
 Pool threads hand requests to that loop with ``run_coroutine_threadsafe`` and
 read the streamed outputs from a thread-safe queue; every in-flight task is one
 concurrent engine request, which keeps vLLM's continuous batching full.
+
+Admission is ours: at most ``max_num_seqs`` requests are in the engine, the most urgent
+first. vLLM's priority scheduler preempts only when KV blocks run out, never for a
+batch slot, so a person's request arriving at a full batch would wait for a background
+one to finish; instead the host pauses the least urgent background request (aborts it,
+keeps its tokens) and resubmits it as prompt + output so far once a slot frees (the
+prefix cache makes that cheap). Structured-output requests are never paused: their
+grammar cannot restart mid-output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import multiprocessing
 import os
 import queue
@@ -25,6 +35,9 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
+
+from common.prompt import load_tokenizer
+from common.registry import EngineSettings
 
 # Inherited by the spawned EngineCore process, so a restarted worker can find
 # the engine its SIGKILLed predecessor left behind (see kill_stale_engines).
@@ -50,10 +63,38 @@ class Delta:
     prompt_tokens: int  # number of prompt tokens (same on every delta)
 
 
+class _Request:
+    """One generate() call as the admission gate sees it (touched only on the loop thread)."""
+
+    _arrivals = itertools.count()
+
+    def __init__(self, request_id: str, params: GenParams):
+        self.request_id = request_id
+        self.params = params
+        self.order = (params.priority, next(self._arrivals))  # lower is more urgent
+        self.attempt = 0
+        self.output_ids: list[int] = []  # delivered so far: a paused request resumes after them
+        self.paused = False  # aborted by the gate, to be resubmitted
+        self.cancelled = False  # EngineHost.abort: end it, whether admitted or waiting
+        self.slot: asyncio.Future | None = None  # set while waiting for admission
+
+    @property
+    def engine_id(self) -> str:
+        return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
+
+    def pausable_for(self, other: _Request) -> bool:
+        return self.params.priority > other.params.priority and self.params.json_schema is None
+
+    def __lt__(self, other: _Request) -> bool:
+        return self.order < other.order
+
+
 class EngineHost:
-    def __init__(self, checkpoint: str, engine_args: dict, tag: str | None = None):
+    def __init__(self, checkpoint: str, settings: EngineSettings, tag: str | None = None):
         self._checkpoint = checkpoint
-        self._engine_args = engine_args
+        self._settings = settings
+        self._engine_args = settings.args
+        self._max_seqs = int(settings.args.get("max_num_seqs", 64))
         self._tag = tag
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
@@ -62,6 +103,9 @@ class EngineHost:
         self._tok_params = None
         self._engine_procs: list[multiprocessing.Process] = []
         self._pumps: set[asyncio.Task] = set()  # touched only on the loop thread
+        self._active: dict[str, _Request] = {}  # admitted to the engine (loop thread)
+        self._waiting: list[_Request] = []  # a heap: the most urgent first (loop thread)
+        self._requests: dict[str, _Request] = {}  # every request being generated (loop thread)
 
     def start(self) -> None:
         self._thread.start()
@@ -74,6 +118,7 @@ class EngineHost:
     async def _load(self) -> None:
         if self._tag is not None:
             os.environ[ENGINE_TAG_ENV] = self._tag
+        os.environ.update(self._settings.env)  # read by the engine processes this spawns
         args = AsyncEngineArgs(
             **{"enforce_eager": True, **self._engine_args},
             model=self._checkpoint,
@@ -116,6 +161,7 @@ class EngineHost:
         out: queue.Queue,
     ) -> None:
         self._pumps.add(asyncio.current_task())
+        req = _Request(request_id, params)
         try:
             (engine_input,) = await self._llm.renderer.render_cmpl_async(
                 [
@@ -125,40 +171,98 @@ class EngineHost:
                 ],
                 self._tok_params,
             )
-            async for res in self._llm.generate(
-                engine_input,
-                self._sampling_params(params),
-                request_id,
-                priority=params.priority,
-            ):
-                c = res.outputs[0]
-                out.put(
-                    Delta(
-                        text=c.text,
-                        token_ids=len(c.token_ids),
-                        finish_reason=c.finish_reason,
-                        prompt_tokens=len(res.prompt_token_ids),
-                    )
-                )
+            prompt_ids = list(engine_input["prompt_token_ids"])
+            self._requests[request_id] = req
+            while True:
+                await self._admit(req)
+                if req.cancelled:
+                    out.put(Delta(text="", token_ids=0, finish_reason="abort", prompt_tokens=len(prompt_ids)))
+                    return
+                if req.paused:  # paused again before it started
+                    req.paused = False
+                    continue
+                if req.output_ids:  # resuming after a pause
+                    engine_input = TokensPrompt(prompt_token_ids=prompt_ids + req.output_ids)
+                try:
+                    async for res in self._llm.generate(
+                        engine_input,
+                        self._sampling_params(params, len(req.output_ids)),
+                        req.engine_id,
+                        priority=params.priority,
+                    ):
+                        c = res.outputs[0]
+                        if req.paused and c.finish_reason == "abort" and not req.cancelled:
+                            break  # paused by the gate, not ended: the consumer sees nothing
+                        req.output_ids += c.token_ids
+                        out.put(
+                            Delta(
+                                text=c.text,
+                                token_ids=len(c.token_ids),
+                                finish_reason=c.finish_reason,
+                                prompt_tokens=len(prompt_ids),
+                            )
+                        )
+                        if c.finish_reason is not None:
+                            return
+                except asyncio.CancelledError:
+                    # generate() aborts only requests it finished adding; a cancel that
+                    # lands mid-add would leave the request running in the engine core.
+                    await self._llm.abort(req.engine_id)
+                    raise
+                req.paused = False
+                req.attempt += 1
         except asyncio.CancelledError:
-            # generate() aborts only requests it finished adding; a cancel that
-            # lands mid-add would leave the request running in the engine core.
-            await self._llm.abort(request_id)
             out.put(RuntimeError(f"request {request_id} cancelled"))
             raise
         except BaseException as e:
             out.put(e)
             raise
         finally:
+            self._requests.pop(request_id, None)
+            self._release(req)
             self._pumps.discard(asyncio.current_task())
 
-    def _sampling_params(self, p: GenParams) -> SamplingParams:
+    async def _admit(self, req: _Request) -> None:
+        """Return once ``req`` holds an engine slot (or is cancelled), pausing a less urgent
+        request if the batch is full."""
+        if req.cancelled:
+            return
+        if len(self._active) < self._max_seqs:
+            self._active[req.request_id] = req
+            return
+        victims = [r for r in self._active.values() if r.pausable_for(req)]
+        if victims:
+            victim = max(victims)  # the least urgent, and of those the latest
+            victim.paused = True  # its pump sees the abort and comes back here
+            del self._active[victim.request_id]
+            self._active[req.request_id] = req
+            await self._llm.abort(victim.engine_id)
+            return
+        req.slot = self._loop.create_future()
+        heapq.heappush(self._waiting, req)
+        try:
+            await req.slot
+        finally:
+            req.slot = None
+
+    def _release(self, req: _Request) -> None:
+        if self._active.pop(req.request_id, None) is None:
+            if req in self._waiting:
+                self._waiting.remove(req)
+                heapq.heapify(self._waiting)
+            return
+        while self._waiting and len(self._active) < self._max_seqs:
+            nxt = heapq.heappop(self._waiting)
+            self._active[nxt.request_id] = nxt
+            nxt.slot.set_result(None)
+
+    def _sampling_params(self, p: GenParams, done: int = 0) -> SamplingParams:
         kw = dict(self._sampling_defaults)
         if p.temperature is not None:
             kw["temperature"] = p.temperature
         return SamplingParams(
             **kw,
-            max_tokens=p.max_tokens,
+            max_tokens=p.max_tokens - done,
             seed=p.seed,
             stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos,
@@ -170,7 +274,19 @@ class EngineHost:
 
     def abort(self, request_id: str) -> None:
         # Ends the request with a final "abort" Delta to its consumer.
-        asyncio.run_coroutine_threadsafe(self._llm.abort(request_id), self._loop).result()
+        asyncio.run_coroutine_threadsafe(self._abort(request_id), self._loop).result()
+
+    async def _abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        req.cancelled = True
+        if req.slot is not None:  # waiting for admission: give up waiting
+            self._waiting.remove(req)
+            heapq.heapify(self._waiting)
+            req.slot.set_result(None)
+        elif request_id in self._active:
+            await self._llm.abort(req.engine_id)
 
     def running(self) -> int:
         return len(self._pumps)
@@ -181,7 +297,8 @@ class EngineHost:
         return self._llm is None or self._llm.errored
 
     def tokenizer(self):
-        return self._llm.get_tokenizer()
+        # The api renders and counts with the same tokenizer, so both sides see one prompt.
+        return load_tokenizer(self._checkpoint)
 
     def shutdown(self) -> None:
         if self._thread.is_alive():

@@ -18,11 +18,10 @@ from common.broker import RUN_TASK, make_celery
 from common.bus import Publisher
 from common.db import NotMigrated, ensure_migrated, make_engine, session_factory
 from common.errors import LMSPError
-from common.registry import Registry
+from common.registry import Registry, detect_machine, resolve_engine
 from common.settings import get_settings
 from worker import interactive, metrics, recovery, runner
 from worker.context import WorkerContext
-from worker.interactive import interactive_reserve
 from worker.writer import EventWriter
 
 log = logging.getLogger("lmsp.worker")
@@ -48,17 +47,14 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
         sys.exit(f"lmsp worker: {exc}")
     if gpu is not None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(gpu))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(spec.kv_cache_gib)))
     killed = kill_stale_engines(worker_id)
     if killed:
         log.warning("ended %d engine processes left by a previous run of %s", len(killed), worker_id)
-    # Background tasks fill at most max_num_seqs engine slots (the Celery pool's size); the engine
-    # has a few more, so an interactive request is admitted at once even under a full queue.
-    engine_args = {**spec.engine, "max_num_seqs": spec.max_num_seqs + interactive_reserve(spec.max_num_seqs)}
+    resolved = resolve_engine(spec, detect_machine())
 
     def new_engine() -> EngineHost:
-        log.info("loading %s from %s", spec.id, spec.checkpoint)
-        host = EngineHost(spec.checkpoint, engine_args, tag=worker_id)
+        log.info("loading %s from %s: %s", spec.id, spec.checkpoint, resolved.summary())
+        host = EngineHost(spec.checkpoint, resolved, tag=worker_id)
         host.start()
         return host
 

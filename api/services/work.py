@@ -10,8 +10,8 @@ from sqlalchemy.orm import Session
 
 from api.extensions import Services
 from api.services.validation import Prepared
-from common import events, lifecycle
-from common.broker import BACKGROUND, INTERACTIVE, dispatch
+from common import events, interactive_wire, lifecycle
+from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError
 from common.events import dumps
 from common.resources import response_object, task_object
@@ -41,7 +41,7 @@ def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
         stored = prepared.request.store and prepared.spec.public_capabilities()["conversations"]
         row = lifecycle.create_direct(session, _response_row(prepared, principal, R.QUEUED, stored))
         session.commit()
-    dispatch(svc.celery, prepared.spec.interactive_queue, {"response_id": row.id}, INTERACTIVE)
+    interactive_wire.send(svc.celery, prepared.spec.interactive_queue, row.id)
     return row.id
 
 

@@ -1,4 +1,6 @@
+import hashlib
 import json
+import time
 
 from flask import Blueprint, Response, request
 from sqlalchemy.exc import IntegrityError
@@ -10,9 +12,16 @@ from api.services import idempotency
 from api.services.validation import prepare
 from api.services.work import cancel_task, check_task_limits, get_task, new_task, send_task, task_view
 from common.errors import LMSPError
+from common.events import REASONING_DELTA, TEXT_DELTA
 from common.protocol import TaskRequest, parse
+from common.states import TERMINAL
 
 bp = Blueprint("tasks", __name__, url_prefix="/lmsp/v1/tasks")
+# A long poll re-reads the task when its response's channel carries anything but text, and on
+# this timer: loading -> running publishes no event, and a notification may be lost.
+WAIT_RECHECK_SECONDS = 5.0
+WAIT_RECHECK_WITHOUT_REDIS = 0.5
+TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})
 
 
 def _accepted(doc: dict) -> Response:
@@ -61,9 +70,59 @@ def _replay(session, who, record) -> Response:
 @bp.get("/<task_id>")
 @require("tasks:read")
 def get(task_id: str):
+    """The task; ``?wait=N`` holds the answer until it differs from the If-None-Match ETag (or from
+    the task as it was when the request came) or N seconds pass; 304 when the client's ETag still holds."""
     svc = services()
+    who = principal()
+    wait = _wait_seconds(request.args.get("wait"), svc.settings.max_task_wait_seconds)
+    doc = _read(svc, who, task_id)
+    given = request.if_none_match  # empty when the header is absent
+    first = etag(doc)
+    unchanged = given.contains_weak if given else first.__eq__
+    if wait and unchanged(first) and doc["status"] not in TERMINAL:
+        doc = _wait_for_change(svc, who, task_id, doc["response_id"], unchanged, wait)
+    tag = etag(doc)
+    if given.contains_weak(tag):
+        return Response(status=304, headers={"ETag": f'"{tag}"'})
+    return Response(json.dumps(doc), mimetype="application/json", headers={"ETag": f'"{tag}"'})
+
+
+def etag(doc: dict) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _read(svc, who: str, task_id: str) -> dict:
     with svc.sessions() as session:
-        return task_view(session, get_task(session, principal(), task_id))
+        return task_view(session, get_task(session, who, task_id))
+
+
+def _wait_seconds(raw: str | None, cap: int) -> float:
+    if raw is None:
+        return 0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1
+    if not 0 <= seconds < float("inf"):
+        raise LMSPError("invalid_request", f"wait must be a number of seconds >= 0 (at most {cap} are used)",
+                        param="wait")
+    return min(seconds, cap)
+
+
+def _wait_for_change(svc, who: str, task_id: str, response_id: str, unchanged, wait: float) -> dict:
+    deadline = time.monotonic() + wait
+    recheck = WAIT_RECHECK_SECONDS if svc.hub.live else WAIT_RECHECK_WITHOUT_REDIS
+    with svc.hub.subscribe(response_id) as sub:
+        while True:
+            # Read after subscribing: a change between the first read and the subscription is seen here.
+            doc = _read(svc, who, task_id)
+            read_at = time.monotonic()
+            if not unchanged(etag(doc)) or doc["status"] in TERMINAL or read_at >= deadline:
+                return doc
+            while (now := time.monotonic()) < min(deadline, read_at + recheck):
+                batch = sub.get(timeout=min(deadline, read_at + recheck) - now)
+                if batch is not None and not all(name in TEXT_ONLY for _, name, _ in batch):
+                    break  # a state event (or a reconnect, []): read the task again
 
 
 @bp.post("/<task_id>/cancel")

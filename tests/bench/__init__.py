@@ -15,6 +15,11 @@ Figures (see ``__main__`` for the order they run in):
   plain SELECT of the same rows.
 * B6 interactive under load: time to first token of a streaming POST /responses with 200
   tasks queued / the same with an idle queue.
+* D1 engine settings: the bare engine's tokens/s (32 requests x 64 tokens) at the dtype resolved
+  for this machine / at bfloat16 (n/a where bf16 is native).
+* V1-V3 side by side with vLLM's own OpenAI server (same checkpoint, same resolved engine
+  arguments): 64 x 128-token tasks / the same chat completions against it; 64 concurrent
+  POST /responses / the same; TTFT p50 of 30 sequential 8-token streams minus its own.
 
 Knobs (environment): ``LMSP_BENCH_REPS`` (default 3), ``LMSP_BENCH_OUT`` (default
 ``bench-results.json`` at the repository root), ``LMSP_BENCH_ONLY`` (comma-separated

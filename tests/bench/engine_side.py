@@ -14,12 +14,11 @@ from tests.bench.util import descendants, log, proc_name, user
 
 
 class EngineSide:
-    def __init__(self, checkpoint: str, engine_args: dict, kv_cache_gib: float):
-        # What worker/main.py does before loading (setdefault there; the same value here).
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    def __init__(self, checkpoint: str, settings):
+        # ``settings``: what worker/main.py resolves for the model (common.registry.resolve_engine).
         from worker.engine import EngineHost, GenParams
         self.GenParams = GenParams
-        self.host = EngineHost(checkpoint, engine_args)
+        self.host = EngineHost(checkpoint, settings)
         t = time.monotonic()
         self.host.start()
         log(f"engine-alone: EngineHost loaded in {time.monotonic() - t:.0f}s")

@@ -116,6 +116,28 @@ def tasks_round(run: Run, texts: list[str], max_tokens: int) -> dict:
             "db_makespan_s": db_makespan, "texts": [output_text(t["response"]) for t in ordered]}
 
 
+def responses_round(run: Run, texts: list[str], max_tokens: int) -> dict:
+    """All at once, non-streaming POST /responses, one connection each (people at screens)."""
+    def one(text):
+        body = {"model": run.served, "input": user(text), "max_output_tokens": max_tokens, "temperature": 0}
+        r = requests.post(run.api + "/lmsp/v1/responses", json=body, timeout=900,
+                          headers={"Authorization": f"Bearer {run.token}"})
+        if r.status_code != 200:
+            raise HTTPError(r.status_code, r.content)
+        return r.json()
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        start = time.perf_counter()
+        done = list(pool.map(one, texts))
+        elapsed = time.perf_counter() - start
+    bad = [d for d in done if d["status"] not in ("completed", "incomplete")]
+    if bad:
+        raise RuntimeError(f"{len(bad)} responses did not complete, e.g. {bad[0]}")
+    tokens = sum(d["usage"]["output_tokens"] for d in done)
+    return {"elapsed": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "texts": [output_text(d) for d in done]}
+
+
 # -- B2 / B6: a streaming POST /responses --------------------------------------------------------------
 def stream_ttft(run: Run, text: str, max_tokens: int, base: str | None = None) -> dict:
     """Seconds from sending the request to the first response.output_text.delta; reads to the end."""
