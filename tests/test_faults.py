@@ -77,8 +77,10 @@ def check_exactly_once(events):
 
 
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "animals", "schema": {
-    "type": "object", "properties": {"animals": {"type": "array", "items": {"type": "string"}, "minItems": 40}},
-    "required": ["animals"]}}}
+    # Bounded, so a small model that repeats itself still closes the document within the token budget.
+    "type": "object", "properties": {"animals": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                                 "minItems": 40, "maxItems": 40}},
+    "required": ["animals"], "additionalProperties": False}}}
 
 
 def text_after_last_attempt(events) -> str:

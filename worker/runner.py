@@ -203,8 +203,10 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
                     builder.replay(name, json.loads(data))
                 prior_tokens = count_tokens(ctx.engine.tokenizer(), builder.raw) if builder.raw else 0
             else:
-                # Constrained output cannot continue a partial JSON: a fresh attempt, marked as one.
-                job.emit([(events.ATTEMPT_STARTED, events.attempt_started(job.rid, claimed.attempt.number))])
+                # Constrained output cannot continue a partial JSON: a fresh attempt, marked as one and
+                # numbered as a client counts them (the fencing token also counts hand-overs).
+                runs = 2 + sum(1 for _, name, _ in claimed.log if name == events.ATTEMPT_STARTED)
+                job.emit([(events.ATTEMPT_STARTED, events.attempt_started(job.rid, runs))])
         job.run(builder, prior_tokens)
     except EngineStopped:
         raise  # the task stays with its attempt: the drain or the next boot hands it on
