@@ -80,11 +80,14 @@ class VllmServer:
         buf = s.rest
         try:
             while True:
-                while b"\n\n" in buf:
-                    block, buf = buf.split(b"\n\n", 1)
-                    if not block.startswith(b"data: ") or block == b"data: [DONE]":
+                # Line by line: uvicorn frames the stream in chunks, whose size lines sit between events.
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    line = line.rstrip(b"\r")
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
-                    delta = json.loads(block[6:])["choices"][0]["delta"].get("content") or ""
+                    choices = json.loads(line[6:])["choices"]
+                    delta = (choices[0]["delta"].get("content") or "") if choices else ""
                     if delta and first is None:
                         first = time.time() - s.sent_at
                     content += delta
