@@ -37,7 +37,7 @@ bench: model
 	$(BIN)/python -m tests.bench
 
 lint: install
-	$(BIN)/ruff check api worker common migrations tests
+	$(BIN)/ruff check api worker common migrations tests lmsp
 
 clean:
 	rm -rf $(VENV)

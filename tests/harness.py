@@ -82,7 +82,7 @@ class Stack:
         self.procs: list[subprocess.Popen] = []
 
     def lmsp(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "common.cli", *args], env=self.env, cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "lmsp", *args], env=self.env, cwd=ROOT,
                               capture_output=True, text=True, check=check)
 
     def token(self, principal: str, scopes: str | None = None) -> str:

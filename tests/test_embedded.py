@@ -21,7 +21,7 @@ def dev(tmp_path_factory):
     port = 18000 + int(time.time()) % 1000
     stack.env["LMSP_PORT"] = str(port)
     log = open(tmp / "dev.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "dev"], env=stack.env, cwd=ROOT, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "lmsp", "dev"], env=stack.env, cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     token_file = tmp / "home" / "dev-token"

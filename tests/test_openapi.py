@@ -117,7 +117,7 @@ def test_security(env):
     assert doc["security"] == [{"bearer": []}]
     for path, item in doc["paths"].items():
         for method, op in item.items():
-            public = path in ("/healthz", "/readyz")
+            public = path in ("/healthz", "/readyz", "/")
             assert op["security"] == [] if public else op["security"][0]["bearer"], (method, path)
             if not public:
                 assert "401" in op["responses"], (method, path)

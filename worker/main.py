@@ -94,13 +94,18 @@ def serve(ctx: WorkerContext) -> None:
         recovery.heartbeat(ctx, stopped=True)
 
 
+def run(model_id: str, gpu: int | None = None) -> None:
+    """The worker's entry point (`lmsp worker` calls it with its parsed options)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(build(model_id, gpu))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lmsp worker")
     parser.add_argument("--model", required=True)
     parser.add_argument("--gpu", type=int)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(build(args.model, args.gpu))
+    run(args.model, args.gpu)
 
 
 if __name__ == "__main__":

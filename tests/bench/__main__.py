@@ -91,9 +91,9 @@ def main() -> None:
     sys.stdout.flush()
     STDOUT_FD = os.dup(1)
     os.dup2(2, 1)
-    from common.cli import _gunicorn_argv
     from common.db import make_engine, session_factory, upgrade
     from common.settings import Settings
+    from lmsp.cli import gunicorn_argv as _gunicorn_argv
     from tests.bench import service as svc
     from tests.harness import REDIS_URL, Stack, create_database, drop_database, free_port, model_entry
 
