@@ -537,7 +537,7 @@ def _tail(http: lc.Client, task_id: str, as_json: bool) -> int:
 
     def out(text: str) -> None:  # text above the status line (or plain, when not a terminal)
         if live is not None:
-            live.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            live.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
         else:
             sys.stdout.write(text + "\n")
             sys.stdout.flush()

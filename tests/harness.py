@@ -113,8 +113,8 @@ class Stack:
             time.sleep(0.5)
         raise TimeoutError(f"worker {worker_id} not ready:\n{text[-4000:]}")
 
-    def start_api(self, workers: int = 1, threads: int = 64, **env) -> str:
-        port = free_port()
+    def start_api(self, workers: int = 1, threads: int = 64, port: int | None = None, **env) -> str:
+        port = port or free_port()
         self.spawn([sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", str(workers), "--threads",
                     str(threads), "-b", f"127.0.0.1:{port}", "--timeout", "120", "api.wsgi:app"],
                    f"api-{port}.log", **env)
