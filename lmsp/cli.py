@@ -311,7 +311,8 @@ def with_client(fn):
             fail(f"no token: pass --token, set LMSP_TOKEN, or start the service with `make run` "
                  f"(it writes {lc.dev_token_path()})")
         try:
-            with lc.Client(url, token) as http:
+            # Few retries: a person waits for an answer (tail reconnects on its own for longer).
+            with lc.Client(url, token, max_retries=3) as http:
                 return fn(http, **kwargs)
         except lc.ProblemError as exc:
             hint = HINTS.get(exc.code, "").format(token_path=lc.dev_token_path())

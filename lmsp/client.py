@@ -246,38 +246,90 @@ class Backoff:
         self.tries = 0
 
 
-class _Follow:
-    """The bookkeeping of a reconnecting follower: the last id seen, and how long it has been failing."""
+class _Retry:
+    """When to try a request again: transport errors and 429/502/503/504, ``max_retries`` times."""
 
-    def __init__(self, task_id: str, after: int, reconnect_timeout: float):
+    def __init__(self, url: str, max_retries: int):
+        self.url, self.max_retries, self.backoff = url, max_retries, Backoff()
+
+    def after_error(self, exc: httpx.TransportError) -> float:
+        if self.backoff.tries >= self.max_retries:
+            raise ServiceUnreachable(f"Cannot reach {self.url}: {exc!r}") from exc
+        return self.backoff.next()
+
+    def after_answer(self, resp: httpx.Response) -> float:
+        if resp.status_code in RETRY_STATUSES and self.backoff.tries < self.max_retries:
+            return self.backoff.next(_retry_after(resp))
+        raise _error_from(resp)
+
+
+class _Follow:
+    """The state of a reconnecting follower: the last id seen, the decoder of the current connection,
+    and how long the service has been failing."""
+
+    def __init__(self, task_id: str, after: int, reconnect_timeout: float, on_disconnect: OnDisconnect | None):
         self.path = f"{API}/tasks/{quote(task_id, safe='')}/events"
         self.last = after
         self.timeout = reconnect_timeout
+        self.on_disconnect = on_disconnect
         self.backoff = Backoff(cap=5.0)
         self.failing_since: float | None = None
+        self.decoder = SSEDecoder()
+        self.why = ""
+        self.gave_up = False  # the server sent an `error` event: reconnect
+        self.retry_after: float | None = None
 
     def headers(self) -> dict[str, str]:
         return {"Accept": "text/event-stream", **({"Last-Event-ID": str(self.last)} if self.last else {})}
 
-    def connected(self) -> None:
+    def opened(self, resp: httpx.Response) -> bool:
+        """Whether the stream answered; raise a refusal that retrying cannot fix."""
+        self.retry_after = None
+        if resp.status_code >= 400:
+            error = _error_from(resp)
+            if resp.status_code not in RETRY_STATUSES:
+                raise error
+            self.why, self.retry_after = str(error), error.retry_after
+            return False
         self.failing_since = None
         self.backoff.reset()
-
-    def accept(self, event: Event) -> bool:
-        """Keep an event unless it repeats one already seen."""
-        if event.id is not None:
-            if event.id <= self.last:
-                return False
-            self.last = event.id
+        self.decoder = SSEDecoder()
+        self.why, self.gave_up = "the stream ended before the final event", False
         return True
 
-    def failed(self, why: str, retry_after: float | None = None) -> float:
+    def feed(self, line: str) -> Event | None:
+        """The event a line completes, unless it repeats one already seen. An ``error`` event (the
+        server cannot go on) sets ``why``: the caller then reconnects."""
+        event = self.decoder.line(line)
+        if event is None or (event.id is not None and event.id <= self.last):
+            return None
+        if event.name == ERROR_EVENT:
+            self.why, self.gave_up = str(_stream_problem(event)), True
+            return None
+        if event.id is not None:
+            self.last = event.id
+        return event
+
+    def lost(self, exc: Exception | None = None) -> float:
         """The delay before the next try; raise once the service has been unreachable too long."""
+        if exc is not None:
+            self.why = f"connection lost ({type(exc).__name__})"
         now = time.monotonic()
         self.failing_since = self.failing_since or now
         if now - self.failing_since > self.timeout:
-            raise ServiceUnreachable(f"Lost the event stream of {self.path} for {self.timeout:.0f} s: {why}")
-        return self.backoff.next(retry_after)
+            raise ServiceUnreachable(f"Lost the event stream of {self.path} for {self.timeout:.0f} s: {self.why}")
+        delay, self.retry_after = self.backoff.next(self.retry_after), None
+        if self.on_disconnect:
+            self.on_disconnect(self.why, delay)
+        return delay
+
+
+def _direct(decoder: SSEDecoder, line: str) -> Event | None:
+    """One line of a direct response stream: its ``error`` event is raised."""
+    event = decoder.line(line)
+    if event is not None and event.name == ERROR_EVENT:
+        raise _stream_problem(event)
+    return event
 
 
 def _stream_problem(event: Event) -> ProblemError:
@@ -311,25 +363,19 @@ class Client:
     def _send(self, method: str, path: str, *, stream: bool = False, **kw) -> httpx.Response:
         """One request, retried on 429/5xx-unavailable and on transport errors (every request this
         client makes is safe to repeat: reads, idempotent cancels, creates with an Idempotency-Key)."""
-        backoff = Backoff()
+        retry = _Retry(self.url, self.max_retries)
         while True:
             try:
-                request = self._http.build_request(method, path, **kw)
-                resp = self._http.send(request, stream=stream)
+                resp = self._http.send(self._http.build_request(method, path, **kw), stream=stream)
             except httpx.TransportError as exc:
-                if backoff.tries >= self.max_retries:
-                    raise ServiceUnreachable(f"Cannot reach {self.url}: {exc!r}") from exc
-                time.sleep(backoff.next())
+                time.sleep(retry.after_error(exc))
                 continue
             if resp.status_code < 400:
                 return resp
             if stream:
                 resp.read()
                 resp.close()
-            if resp.status_code in RETRY_STATUSES and backoff.tries < self.max_retries:
-                time.sleep(backoff.next(_retry_after(resp)))
-                continue
-            raise _error_from(resp)
+            time.sleep(retry.after_answer(resp))
 
     def _json(self, method: str, path: str, **kw) -> Json:
         return self._send(method, path, **kw).json()
@@ -375,38 +421,26 @@ class Client:
 
     def follow(self, task_id: str, *, after: int = 0, on_disconnect: OnDisconnect | None = None
                ) -> Iterator[Event]:
-        """A task's events from ``after`` on, through drops and api restarts, until the final event."""
-        state = _Follow(task_id, after, self.reconnect_timeout)
+        """A task's events from ``after`` on, through drops and api restarts, until the final event.
+        ``on_disconnect(why, delay)`` hears of each lost connection."""
+        state = _Follow(task_id, after, self.reconnect_timeout, on_disconnect)
         while True:
-            retry_after = None
             try:
                 with self._http.stream("GET", state.path, headers=state.headers()) as resp:
                     if resp.status_code >= 400:
                         resp.read()
-                        error = _error_from(resp)
-                        if resp.status_code not in RETRY_STATUSES:
-                            raise error
-                        why, retry_after = str(error), error.retry_after
-                    else:
-                        state.connected()
-                        decoder = SSEDecoder()
-                        why = "the stream ended before the final event"
+                    if state.opened(resp):
                         for line in resp.iter_lines():
-                            event = decoder.line(line)
-                            if event is None or not state.accept(event):
-                                continue
-                            if event.name == ERROR_EVENT:  # the server cannot go on: resume elsewhere
-                                why = str(_stream_problem(event))
+                            if (event := state.feed(line)) is not None:
+                                yield event
+                                if event.final:
+                                    return
+                            elif state.gave_up:
                                 break
-                            yield event
-                            if event.final:
-                                return
             except httpx.TransportError as exc:
-                why = f"connection lost ({type(exc).__name__})"
-            delay = state.failed(why, retry_after)
-            if on_disconnect:
-                on_disconnect(why, delay)
-            time.sleep(delay)
+                time.sleep(state.lost(exc))
+                continue
+            time.sleep(state.lost())
 
     # responses
     def create_response(self, prompt: Input, *, model: str | None = None, idempotency_key: str | None = None,
@@ -426,13 +460,10 @@ class Client:
         try:
             decoder = SSEDecoder()
             for line in resp.iter_lines():
-                if (event := decoder.line(line)) is None:
-                    continue
-                if event.name == ERROR_EVENT:
-                    raise _stream_problem(event)
-                yield event
-                if event.final:
-                    return
+                if (event := _direct(decoder, line)) is not None:
+                    yield event
+                    if event.final:
+                        return
             raise ServiceUnreachable("The response stream ended before its final event")
         except httpx.TransportError as exc:
             raise ServiceUnreachable(f"The response stream broke: {exc!r}") from exc
@@ -464,25 +495,19 @@ class AsyncClient:
         await self.aclose()
 
     async def _send(self, method: str, path: str, *, stream: bool = False, **kw) -> httpx.Response:
-        backoff = Backoff()
+        retry = _Retry(self.url, self.max_retries)
         while True:
             try:
-                request = self._http.build_request(method, path, **kw)
-                resp = await self._http.send(request, stream=stream)
+                resp = await self._http.send(self._http.build_request(method, path, **kw), stream=stream)
             except httpx.TransportError as exc:
-                if backoff.tries >= self.max_retries:
-                    raise ServiceUnreachable(f"Cannot reach {self.url}: {exc!r}") from exc
-                await asyncio.sleep(backoff.next())
+                await asyncio.sleep(retry.after_error(exc))
                 continue
             if resp.status_code < 400:
                 return resp
             if stream:
                 await resp.aread()
                 await resp.aclose()
-            if resp.status_code in RETRY_STATUSES and backoff.tries < self.max_retries:
-                await asyncio.sleep(backoff.next(_retry_after(resp)))
-                continue
-            raise _error_from(resp)
+            await asyncio.sleep(retry.after_answer(resp))
 
     async def _json(self, method: str, path: str, **kw) -> Json:
         return (await self._send(method, path, **kw)).json()
@@ -514,37 +539,24 @@ class AsyncClient:
 
     async def follow(self, task_id: str, *, after: int = 0, on_disconnect: OnDisconnect | None = None
                      ) -> AsyncIterator[Event]:
-        state = _Follow(task_id, after, self.reconnect_timeout)
+        state = _Follow(task_id, after, self.reconnect_timeout, on_disconnect)
         while True:
-            retry_after = None
             try:
                 async with self._http.stream("GET", state.path, headers=state.headers()) as resp:
                     if resp.status_code >= 400:
                         await resp.aread()
-                        error = _error_from(resp)
-                        if resp.status_code not in RETRY_STATUSES:
-                            raise error
-                        why, retry_after = str(error), error.retry_after
-                    else:
-                        state.connected()
-                        decoder = SSEDecoder()
-                        why = "the stream ended before the final event"
+                    if state.opened(resp):
                         async for line in resp.aiter_lines():
-                            event = decoder.line(line)
-                            if event is None or not state.accept(event):
-                                continue
-                            if event.name == ERROR_EVENT:
-                                why = str(_stream_problem(event))
+                            if (event := state.feed(line)) is not None:
+                                yield event
+                                if event.final:
+                                    return
+                            elif state.gave_up:
                                 break
-                            yield event
-                            if event.final:
-                                return
             except httpx.TransportError as exc:
-                why = f"connection lost ({type(exc).__name__})"
-            delay = state.failed(why, retry_after)
-            if on_disconnect:
-                on_disconnect(why, delay)
-            await asyncio.sleep(delay)
+                await asyncio.sleep(state.lost(exc))
+                continue
+            await asyncio.sleep(state.lost())
 
     async def create_response(self, prompt: Input, *, model: str | None = None,
                               idempotency_key: str | None = None, **fields: Any) -> Json:
@@ -562,13 +574,10 @@ class AsyncClient:
         try:
             decoder = SSEDecoder()
             async for line in resp.aiter_lines():
-                if (event := decoder.line(line)) is None:
-                    continue
-                if event.name == ERROR_EVENT:
-                    raise _stream_problem(event)
-                yield event
-                if event.final:
-                    return
+                if (event := _direct(decoder, line)) is not None:
+                    yield event
+                    if event.final:
+                        return
             raise ServiceUnreachable("The response stream ended before its final event")
         except httpx.TransportError as exc:
             raise ServiceUnreachable(f"The response stream broke: {exc!r}") from exc

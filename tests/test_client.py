@@ -5,9 +5,14 @@ tickets and the dashboard's public page."""
 import asyncio
 import functools
 import json
+import os
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
+import jsonschema
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -20,7 +25,7 @@ from common.tables import Response, Task
 from common.tokens import create_token, revoke_token
 from lmsp import cli
 from lmsp import client as lc
-from tests.harness import CHECKPOINT
+from tests.harness import CHECKPOINT, ROOT
 
 MODEL = "tiny:client"
 BASE = "http://lmsp.test"
@@ -135,6 +140,10 @@ def test_list_tasks_is_scoped_filtered_and_paged(env):
         with pytest.raises(lc.InvalidRequest) as info:
             http.list_tasks(**params)
         assert info.value.param == param and info.value.status == 400
+    doc = env["app"].test_client().get("/lmsp/v1/openapi.json",
+                                       headers={"Authorization": f"Bearer {env['alice']}"}).get_json()
+    declared = doc["paths"]["/lmsp/v1/tasks"]["get"]["responses"]["200"]["content"]["application/json"]
+    jsonschema.Draft202012Validator({**declared["schema"], "components": doc["components"]}).validate(first)
     blind, _ = client(env, "blind")
     with pytest.raises(lc.Forbidden) as info:
         blind.list_tasks()
@@ -356,3 +365,15 @@ def test_cli_errors_say_what_to_do(env, run_cli):
     assert refused.exit_code == 1 and "LMSP_TOKEN" in refused.output
     listed = run_cli("tasks", "list", "--json")
     assert listed.exit_code == 0 and all(t["object"] == "task" for t in json.loads(listed.output))
+
+
+def test_dev_and_serve_refuse_a_port_in_use_and_say_how_to_pick_another(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for command in ("dev", "serve"):
+            done = subprocess.run([sys.executable, "-m", "lmsp", command, "--port", str(port)], cwd=ROOT,
+                                  env={**os.environ, "LMSP_HOME": str(tmp_path)}, capture_output=True,
+                                  text=True, timeout=60)
+            assert done.returncode == 1, done.stderr
+            assert f"port {port} on 127.0.0.1 is in use" in done.stderr and "LMSP_PORT" in done.stderr
+    assert not (tmp_path / "lmsp.db").exists()  # refused before touching anything

@@ -76,10 +76,10 @@ def test_tail_survives_an_api_restart(stack, tail_env, model_id):
         stack.start_api(port=port)  # a new api process on the same port and database
         screen = term.wait(lambda s: "EXIT=" in s, 300, "tail did not finish")
         history = term.everything()
+        final = http.get_task(task["id"])
     finally:
         term.close()
         stack.stop(stack.procs[-1])
-    final = http.get_task(task["id"])
     assert final["status"] == "succeeded"
     assert "EXIT=0" in screen
     usage = final["response"]["usage"]
