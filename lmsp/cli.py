@@ -528,6 +528,7 @@ def _tail(http: lc.Client, task_id: str, as_json: bool) -> int:
     task = http.get_task(task_id)
     if as_json:
         return _tail_json(http, task)
+    replay = task["status"] in lc.TERMINAL_STATES  # the events come from the log, not as generated
     console = _console()
     view = TailView(task)
     live = None
@@ -575,7 +576,6 @@ def _tail(http: lc.Client, task_id: str, as_json: bool) -> int:
         return 130
     except lc.Gone:
         task = http.get_task(task_id)  # events past their retention: the task still has the result
-        final = None
         if live is not None:
             live.stop()
         click.echo(lc.output_text(task.get("response")))
@@ -593,6 +593,8 @@ def _tail(http: lc.Client, task_id: str, as_json: bool) -> int:
     view.state = task["status"] if task["status"] in lc.TERMINAL_STATES else FINAL_STATE[final.name]
     view.tokens = ((final.data.get("usage") or {}).get("output_tokens")) if final else None
     view.ended = time.time()
+    if replay:
+        view.started, view.ended = task["created_at"], task["updated_at"]
     view.note = ""
     if view.state == "failed" and task.get("error"):
         view.note = f"{task['error'].get('code')}: {task['error'].get('detail')}"

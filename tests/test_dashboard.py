@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lmsp.client import output_text
-from tests.harness import ROOT
+from tests.harness import ROOT, Client, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -22,7 +22,7 @@ SHOTS = ROOT / "artifacts" / "screenshots"
 
 
 class CuttableProxy:
-    """Forwards 127.0.0.1:<port> to the api; ``cut()`` resets every open connection."""
+    """Forwards 127.0.0.1:<port> to the api; ``cut()`` ends every open connection, both ways."""
 
     def __init__(self, target: str):
         host, port = target.rsplit("//", 1)[1].split(":")
@@ -63,8 +63,8 @@ class CuttableProxy:
             victims, self.open = self.open, []
         for s in victims:
             try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                s.close()  # linger 0: a reset, as when a network drops
+                s.shutdown(socket.SHUT_RDWR)  # at once, also for the pipe threads blocked reading it
+                s.close()
             except OSError:
                 pass
         return len(victims) // 2
@@ -95,7 +95,8 @@ def browser():
 @pytest.fixture(scope="module")
 def site(api, worker, stack):
     proxy = CuttableProxy(api)
-    yield proxy, stack.token("dashboard")
+    token = stack.token("dashboard")
+    yield proxy, token, Client(api, token)
     proxy.close()
 
 
@@ -114,20 +115,20 @@ def _submit(page, prompt: str, max_tokens: int) -> str:
     return page.url.rsplit("/", 1)[1]
 
 
-def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, alice, model_id):
-    proxy, token = site
+def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, model_id):
+    proxy, token, same_principal = site
     page = browser.new_page(viewport={"width": 1280, "height": 800})
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     streams = _events_requests(page)
 
     # sign in (the token stays in sessionStorage)
-    page.goto(proxy.url + "/")
+    page.goto(proxy.url + "/")  # the page's CSP forbids eval, so waits poll from Python (wait_for)
     page.wait_for_selector("#signin-page:not([hidden])")
     page.screenshot(path=str(SHOTS / "1-sign-in.png"))
     page.fill("#token", "lmsp_not-a-token")
     page.press("#token", "Enter")
-    page.wait_for_function("document.querySelector('#signin-error').textContent.includes('unknown')")
+    wait_for(lambda: "unknown" in page.inner_text("#signin-error"), 30, "no sign-in error for a bad token")
     page.fill("#token", token)
     page.press("#token", "Enter")
     page.wait_for_selector("#home-page:not([hidden])")
@@ -139,16 +140,15 @@ def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, alice, mo
     # submit -> live text -> (drop, resume) -> succeeded
     page.select_option("#model", model_id)
     task_id = _submit(page, "Write a long story about a lighthouse keeper.", 200)
-    page.wait_for_function("document.querySelector('#task-text').textContent.length > 40", timeout=180_000)
+    wait_for(lambda: len(page.inner_text("#task-text")) > 40, 180, "no live text")
     assert page.inner_text("#task-state") == "running"  # text is arriving while the task runs
     before = len(page.inner_text("#task-text"))
     assert proxy.cut() >= 1  # the EventSource connection is among those reset
-    page.wait_for_function("document.querySelector('#task-stream').textContent === 'live' && "
-                           f"document.querySelector('#task-text').textContent.length > {before + 20}",
-                           timeout=120_000)
+    wait_for(lambda: page.inner_text("#task-stream") == "live" and len(page.inner_text("#task-text")) > before + 20,
+             120, "the stream did not resume after the drop")
     page.wait_for_selector("#task-state[data-state=succeeded]", timeout=300_000)
     shown = page.inner_text("#task-text")
-    final = alice.get(f"/lmsp/v1/tasks/{task_id}").json()
+    final = same_principal.get(f"/lmsp/v1/tasks/{task_id}").json()
     assert final["status"] == "succeeded"
     assert shown == output_text(final["response"]), "the resumed stream repeated or lost text"
     mine = [r for r in streams if task_id in r.url]
@@ -166,11 +166,11 @@ def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, alice, mo
 
     # cancel (with the keyboard)
     cancel_id = _submit(page, "Write a very long essay on the history of tea.", 1000)
-    page.wait_for_function("document.querySelector('#task-text').textContent.length > 10", timeout=180_000)
+    wait_for(lambda: len(page.inner_text("#task-text")) > 10, 180, "no live text")
     page.focus("#cancel")
     page.keyboard.press("Enter")
     page.wait_for_selector("#task-state[data-state=cancelled]", timeout=60_000)
-    assert alice.get(f"/lmsp/v1/tasks/{cancel_id}").json()["status"] == "cancelled"
+    assert same_principal.get(f"/lmsp/v1/tasks/{cancel_id}").json()["status"] == "cancelled"
     assert page.inner_text("#task-stream") == "closed"
     page.screenshot(path=str(SHOTS / "4-task-cancelled.png"), full_page=True)
 

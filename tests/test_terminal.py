@@ -1,5 +1,6 @@
 """`lmsp tail` in a real terminal (tmux): what a person sees, through an api crash and restart."""
 
+import json
 import re
 import shlex
 import signal
@@ -13,6 +14,7 @@ import pytest
 from lmsp.client import Client, output_text
 from tests.harness import ROOT, free_port, wait_for
 
+ARTIFACTS = ROOT / "artifacts" / "terminal"
 STATUS = re.compile(r"(queued|loading|running) · ~\d+ tokens · \d+\.\d tok/s · \d+:\d\d · task_\w+")
 
 
@@ -76,6 +78,8 @@ def test_tail_survives_an_api_restart(stack, tail_env, model_id):
         stack.start_api(port=port)  # a new api process on the same port and database
         screen = term.wait(lambda s: "EXIT=" in s, 300, "tail did not finish")
         history = term.everything()
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / "tail-through-api-restart.txt").write_text(history)
         final = http.get_task(task["id"])
     finally:
         term.close()
@@ -106,3 +110,34 @@ def test_ctrl_c_stops_tailing_not_the_task(stack, tail_env, api, model_id):
     assert http.get_task(task["id"])["status"] == "running"
     assert http.cancel_task(task["id"])["status"] in ("cancelling", "cancelled")
     wait_for(lambda: http.get_task(task["id"])["status"] == "cancelled", 60, "cancel")
+
+
+def test_client_commands_against_the_stack(stack, tail_env, api, model_id, tmp_path):
+    """The commands the README and the ready line show, as a script would run them."""
+    env = {**stack.env, **tail_env, "LMSP_URL": api}
+
+    def lmsp(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lmsp", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    asked = lmsp("ask", "Say hello in one sentence.", "--model", model_id, "--max-output-tokens", "16")
+    assert asked.returncode == 0 and asked.stdout.strip(), asked.stderr
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}},
+                                  "required": ["name"], "additionalProperties": False}))
+    structured = lmsp("ask", "Invent a person.", "--model", model_id, "--json-schema", str(schema),
+                      "--max-output-tokens", "100")
+    assert structured.returncode == 0, structured.stderr
+    assert isinstance(json.loads(structured.stdout)["name"], str)
+    models = lmsp("models", "list", "--json")
+    assert {"id": model_id, "status": "ready"}.items() <= next(
+        m for m in json.loads(models.stdout) if m["id"] == model_id).items()
+    task_id = lmsp("submit", "Write a haiku.", "--model", model_id, "--max-output-tokens", "12").stdout.strip()
+    assert task_id.startswith("task_")
+    followed = lmsp("tail", task_id)
+    assert followed.returncode == 0 and "succeeded" in followed.stderr
+    assert task_id in [t["id"] for t in json.loads(lmsp("tasks", "list", "--json").stdout)]
+    shown = lmsp("tasks", "show", task_id)
+    assert "succeeded" in shown.stdout and shown.returncode == 0
+    refused = lmsp("ask", "hi", "--model", "no:such-model")
+    assert refused.returncode == 1 and "lmsp models list" in refused.stderr
