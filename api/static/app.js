@@ -134,6 +134,12 @@ async function loadTasks(more) {
     cell(row, duration(task));
     cell(row, new Date(task.created_at * 1000).toLocaleString());
   }
+  if (!more && !page.data.length) {
+    const empty = body.insertRow().insertCell();
+    empty.colSpan = 5;
+    empty.className = "muted";
+    empty.textContent = "No tasks yet: submit one above.";
+  }
   nextCursor = page.next_cursor;
   $("#more").hidden = !page.has_more;
 }
@@ -147,6 +153,7 @@ async function submitTask(event) {
   if (max) input.max_output_tokens = Number(max);
   try {
     const task = await api("POST", `${API}/tasks`, { type: "response", input, on_restart: $("#on-restart").value });
+    $("#prompt").value = "";
     location.hash = `#/tasks/${task.id}`;
   } catch (exc) {
     $("#submit-error").textContent = exc.problem && exc.problem.param ? `${exc.message} (${exc.problem.param})`
