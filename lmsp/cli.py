@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -227,6 +228,8 @@ def _dev_token(token_file: Path) -> None:
 def _command_name() -> str:
     """How to run this ``lmsp`` again from the same shell: ``lmsp`` if that is on PATH, else its path."""
     me = Path(sys.argv[0])
+    if me.name == "__main__.py":  # python -m lmsp
+        return f"{shlex.quote(sys.executable)} -m lmsp"
     on_path = shutil.which("lmsp")
     return "lmsp" if on_path and Path(on_path).resolve() == me.resolve() else str(me)
 
