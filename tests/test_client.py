@@ -140,6 +140,9 @@ def test_list_tasks_is_scoped_filtered_and_paged(env):
         with pytest.raises(lc.InvalidRequest) as info:
             http.list_tasks(**params)
         assert info.value.param == param and info.value.status == 400
+    with pytest.raises(lc.InvalidRequest) as info:
+        http._json("GET", "/lmsp/v1/tasks", params={"status": "running"})  # a typo is not ignored
+    assert info.value.param == "status"
     doc = env["app"].test_client().get("/lmsp/v1/openapi.json",
                                        headers={"Authorization": f"Bearer {env['alice']}"}).get_json()
     declared = doc["paths"]["/lmsp/v1/tasks"]["get"]["responses"]["200"]["content"]["application/json"]

@@ -86,6 +86,10 @@ _TASK_ID = re.compile(r"task_[0-9A-HJKMNP-TV-Z]{26}")
 
 def _list_query() -> tuple[list[str], int, str | None]:
     args = request.args
+    for name in args:
+        if name not in ("state", "limit", "cursor"):
+            raise LMSPError("invalid_request", f"Unknown query parameter {name!r}; this takes state, limit "
+                            "and cursor", param=name)
     states = [s for s in args.get("state", "").split(",") if s]
     for state in states:
         if state not in STATES:
