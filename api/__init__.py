@@ -20,7 +20,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from api.extensions import Services
     from api.live import Hub
     from api.ratelimit import RateLimiter
-    from api.views import events, health, metrics, models, responses, tasks
+    from api.views import dashboard, events, health, metrics, models, responses, tasks
 
     settings = settings or get_settings()
     engine = make_engine(settings.db_url)
@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None) -> Flask:
                         spec.id, spec.checkpoint, exc)
     problems.init_app(app)
     auth.init_app(app)
-    for module in (health, metrics, models, responses, tasks, events, openapi):
+    for module in (health, metrics, models, responses, tasks, events, openapi, dashboard):
         app.register_blueprint(module.bp)
     events.sock.init_app(app)
     return app

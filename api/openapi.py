@@ -31,7 +31,7 @@ def ref(name: str, kind: str = "schemas") -> dict:
 
 # -- schemas ------------------------------------------------------------------------------------
 REQUESTS = (ResponseRequest, TaskRequest)
-ANSWERS = (wire.Problem, wire.Response, wire.Task, wire.Model, wire.ModelList, wire.Discovery, wire.Health,
+ANSWERS = (wire.Problem, wire.Response, wire.Task, wire.TaskList, wire.StreamTicket, wire.Model, wire.ModelList, wire.Discovery, wire.Health,
            wire.Readiness, wire.WebSocketFrame, *dict.fromkeys(wire.EVENTS.values()))
 
 
@@ -69,6 +69,15 @@ PARAMETERS = {
     "After": {"name": "after", "in": "query", "required": False,
               "description": "Replay only events with a greater id; wins over Last-Event-ID (spec 6.4)",
               "schema": {"type": "integer", "minimum": 0, "maximum": 999999999999}},
+    "State": {"name": "state", "in": "query", "required": False,
+              "description": "Only tasks in these states (comma-separated)", "schema": {"type": "string"}},
+    "Limit": {"name": "limit", "in": "query", "required": False,
+              "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
+    "Cursor": {"name": "cursor", "in": "query", "required": False,
+               "description": "The `next_cursor` of the previous page", "schema": {"type": "string"}},
+    "Ticket": {"name": "ticket", "in": "query", "required": False,
+               "description": "A stream ticket (POST .../events/ticket) instead of the Authorization header",
+               "schema": {"type": "string"}},
     "LastEventId": {"name": "Last-Event-ID", "in": "header", "required": False,
                     "description": "The last event id received; used when `after` is absent",
                     "schema": {"type": "string", "pattern": "^[0-9]{0,12}$"}},
@@ -206,7 +215,20 @@ def _paths() -> dict:
             "getResponse", "A response stored with store: true", "responses", "responses:read",
             {"200": json_response("The response", "Response"), **errors((404, "response_not_found"))},
             params=["ResponseId"])},
-        f"{API}/tasks": {"post": operation(
+        "/": {"get": operation(
+            "dashboard", "The web dashboard (it asks for a token)", "dashboard", None, {
+                "200": {"description": "The dashboard page", "headers": _headers(),
+                        "content": {"text/html": {"schema": {"type": "string"}}}}, **errors(auth=False)})},
+        f"{API}/tasks/{{task_id}}/events/ticket": {"post": operation(
+            "createStreamTicket", "A short-lived ticket to open the task's event stream without a header",
+            "events", "tasks:read",
+            {"200": json_response("The ticket", "StreamTicket"), **errors((404, "task_not_found"))},
+            params=["TaskId"])},
+        f"{API}/tasks": {"get": operation(
+            "listTasks", "The principal's tasks, newest first, by cursor (an extension of LMSP 1.0)", "tasks",
+            "tasks:read", {"200": json_response("A page of tasks", "TaskList"),
+                           **errors((400, "invalid_request", "A bad state, limit or cursor"))},
+            params=["State", "Limit", "Cursor"]), "post": operation(
             "createTask", "Create a durable task (persisted before the answer)", "tasks", "tasks:write",
             {"202": json_response("The task, queued; replayed in its current state for a repeated "
                                   "Idempotency-Key", "Task", "Location"),
@@ -240,7 +262,7 @@ def _paths() -> dict:
              **errors((400, "invalid_request", "`after` or Last-Event-ID is not a non-negative integer"),
                       (404, "task_not_found"), (410, "event_history_expired",
                                                 "Fetch the final result with GET /lmsp/v1/tasks/{task_id}"))},
-            params=["TaskId", "After", "LastEventId"])},
+            params=["TaskId", "After", "LastEventId", "Ticket"])},
         f"{API}/tasks/{{task_id}}/ws": {"get": operation(
             "taskEventsWebSocket", "Follow a task's events over a WebSocket, resumable", "events",
             "tasks:read",
@@ -273,7 +295,7 @@ def build() -> dict:
                            "A method a path does not allow answers 405 `method_not_allowed`.",
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
-        "tags": [{"name": n} for n in ("health", "discovery", "models", "responses", "tasks", "events")],
+        "tags": [{"name": n} for n in ("health", "discovery", "models", "responses", "tasks", "events", "dashboard")],
         "security": [{"bearer": []}],
         "paths": _paths(),
         "components": {

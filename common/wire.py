@@ -144,6 +144,23 @@ class Task(Shape):
     error: Problem | None = Field(description="A problem when status is failed")
 
 
+class TaskList(Shape):
+    """A page of the principal's tasks, newest first (an extension of LMSP 1.0)."""
+    object: Literal["list"] = "list"
+    data: list[Task]
+    has_more: bool
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page")
+
+
+class StreamTicket(Shape):
+    """Opens the task's event stream as `?ticket=` for clients that cannot send headers (EventSource);
+    one task, one minute, dies with its token."""
+    object: Literal["stream_ticket"] = "stream_ticket"
+    ticket: str
+    expires_at: UnixSeconds
+    events_url: str
+
+
 class Model(Shape):
     """A model with its live serving state (spec 8)."""
     id: str = Field(examples=["qwen3:14b-q4_k_m"])

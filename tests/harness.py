@@ -87,7 +87,7 @@ class Stack:
         self.procs: list[subprocess.Popen] = []
 
     def lmsp(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "common.cli", *args], env=self.env, cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "lmsp", *args], env=self.env, cwd=ROOT,
                               capture_output=True, text=True, check=check)
 
     def token(self, principal: str, scopes: str | None = None) -> str:
@@ -118,9 +118,9 @@ class Stack:
             time.sleep(0.5)
         raise TimeoutError(f"worker {worker_id} not ready:\n{text[-4000:]}")
 
-    def start_api(self, workers: int = 1, threads: int = 64, **env) -> str:
-        """The api as `lmsp serve` launches it, on a free port."""
-        port = free_port()
+    def start_api(self, workers: int = 1, threads: int = 64, port: int | None = None, **env) -> str:
+        """The api as `lmsp serve` launches it, on ``port`` (a free one by default)."""
+        port = port or free_port()
         self.spawn(api_argv(port, workers, threads), f"api-{port}.log", **env)
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120

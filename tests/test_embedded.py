@@ -21,12 +21,17 @@ def dev(tmp_path_factory):
     port = 18000 + int(time.time()) % 1000
     stack.env["LMSP_PORT"] = str(port)
     log = open(tmp / "dev.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "dev"], env=stack.env, cwd=ROOT, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "lmsp", "dev"], env=stack.env, cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     token_file = tmp / "home" / "dev-token"
     wait_for(lambda: token_file.exists() and _ready(base, token_file.read_text().strip()), 600,
              "lmsp dev did not serve the model")
+    # It says so itself, in one line with all a newcomer needs (what `make run` prints).
+    wait_for(lambda: "ready on" in (tmp / "dev.log").read_text(errors="replace"), 30, "no ready line")
+    line = next(li for li in (tmp / "dev.log").read_text(errors="replace").splitlines() if "ready on" in li)
+    assert f"ready on {base} (dashboard: {base}/)" in line and str(token_file) in line
+    assert f'ask --url {base} "' in line
     yield proc, Client(base, token_file.read_text().strip())
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

@@ -106,16 +106,21 @@ def serve(ctx: WorkerContext) -> None:
         sys.exit("lmsp worker: the Celery consumer stopped unexpectedly")
 
 
+def run(model_id: str, gpu: int | None = None) -> None:
+    """The worker's entry point (`lmsp worker` calls it with its parsed options)."""
+    logs.setup()
+    ctx = build(model_id, gpu)
+    logs.bind_process(worker_id=ctx.worker_id)
+    metrics.start_metrics_server(ctx)  # after the engine loaded: the startup probe means "loaded"
+    serve(ctx)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lmsp worker")
     parser.add_argument("--model", required=True)
     parser.add_argument("--gpu", type=int)
     args = parser.parse_args(argv)
-    logs.setup()
-    ctx = build(args.model, args.gpu)
-    logs.bind_process(worker_id=ctx.worker_id)
-    metrics.start_metrics_server(ctx)  # after the engine loaded: the startup probe means "loaded"
-    serve(ctx)
+    run(args.model, args.gpu)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,25 @@
 import hashlib
 import json
+import re
 import time
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, g, request
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from api.auth import principal, require
 from api.body import json_body
 from api.extensions import services
-from api.services import idempotency
+from api.services import idempotency, tickets
 from api.services.validation import prepare
 from api.services.work import cancel_task, check_task_limits, get_task, new_task, send_task, task_view
 from common.errors import LMSPError
 from common.events import REASONING_DELTA, TEXT_DELTA
 from common.protocol import TaskRequest, parse
-from common.states import TERMINAL
+from common.resources import task_object
+from common.states import STATES, SUCCEEDED, TERMINAL
+from common.tables import Response as ResponseRow
+from common.tables import Task
 
 bp = Blueprint("tasks", __name__, url_prefix="/lmsp/v1/tasks")
 # A long poll re-reads the task when its response's channel carries anything but text, and on
@@ -131,3 +136,56 @@ def cancel(task_id: str):
     return cancel_task(services(), principal(), task_id)
 
 
+# -- the task list (an extension of the spec: GET /lmsp/v1/tasks) --------------------------------
+LIST_LIMIT = 20
+MAX_LIST_LIMIT = 100
+_TASK_ID = re.compile(r"task_[0-9A-HJKMNP-TV-Z]{26}")
+
+
+def _list_query() -> tuple[list[str], int, str | None]:
+    args = request.args
+    for name in args:
+        if name not in ("state", "limit", "cursor"):
+            raise LMSPError("invalid_request", f"Unknown query parameter {name!r}; this takes state, limit "
+                            "and cursor", param=name)
+    states = [s for s in args.get("state", "").split(",") if s]
+    for state in states:
+        if state not in STATES:
+            raise LMSPError("invalid_request", f"state {state!r} is not one of {', '.join(STATES)}",
+                            param="state")
+    raw = args.get("limit", str(LIST_LIMIT))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+        raise LMSPError("invalid_request", f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", param="limit")
+    cursor = args.get("cursor") or None
+    if cursor is not None and not _TASK_ID.fullmatch(cursor):
+        raise LMSPError("invalid_request", "cursor must be the next_cursor of a previous page", param="cursor")
+    return states, int(raw), cursor
+
+
+@bp.get("")
+@require("tasks:read")
+def list_tasks():
+    """The principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages on."""
+    states, limit, cursor = _list_query()
+    query = select(Task).where(Task.principal_id == principal())
+    if states:
+        query = query.where(Task.status.in_(states))
+    if cursor is not None:
+        query = query.where(Task.id < cursor)  # ids are ULIDs: they sort by creation time
+    with services().sessions() as session:
+        rows = list(session.execute(query.order_by(Task.id.desc()).limit(limit + 1)).scalars())
+        page = rows[:limit]
+        done = [t.response_id for t in page if t.status == SUCCEEDED]
+        responses = {r.id: r for r in session.execute(select(ResponseRow).where(ResponseRow.id.in_(done))).scalars()}
+        data = [task_object(t, responses.get(t.response_id)) for t in page]
+    more = len(rows) > limit
+    return {"object": "list", "data": data, "has_more": more, "next_cursor": page[-1].id if more else None}
+
+
+@bp.post("/<task_id>/events/ticket")
+@require("tasks:read")
+def events_ticket(task_id: str):
+    """A short-lived ticket that opens this task's event stream without a header (EventSource)."""
+    with services().sessions() as session:
+        get_task(session, principal(), task_id)
+        return tickets.mint(session, g.identity, task_id)

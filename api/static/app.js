@@ -1,0 +1,331 @@
+// The LMSP dashboard: plain JavaScript against the public API, no build step.
+// The token lives in sessionStorage (this tab only). Every value from the server is set with
+// textContent, never parsed as HTML.
+"use strict";
+
+const API = "/lmsp/v1";
+const FINAL = ["response.completed", "response.incomplete", "response.failed", "response.cancelled"];
+const TERMINAL = ["succeeded", "failed", "cancelled"];
+const $ = (sel) => document.querySelector(sel);
+
+let nextCursor = null;
+let current = null;  // the task page's state: {id, task, source, last, chars, timer}
+
+// -- the API ---------------------------------------------------------------------------------------
+function token() { return sessionStorage.getItem("lmsp-token"); }
+
+function randomKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));  // randomUUID needs a secure context
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+async function api(method, path, body) {
+  const headers = { Authorization: `Bearer ${token()}`, "LMSP-Version": "1.0" };
+  if (body !== undefined) {
+    headers["Content-Type"] = "application/json";
+    headers["Idempotency-Key"] = randomKey();
+  }
+  let resp;
+  try {
+    resp = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  } catch (exc) {
+    throw Object.assign(new Error("Cannot reach the service; is it running?"), { status: 0 });
+  }
+  const data = await resp.json().catch(() => null);
+  if (!resp.ok) {
+    if (resp.status === 401 && path !== `${API}/models`) signOut("The token was refused; sign in again.");
+    const detail = data && data.detail ? data.detail : `${resp.status} ${resp.statusText}`;
+    throw Object.assign(new Error(detail), { status: resp.status, problem: data });
+  }
+  return data;
+}
+
+// -- formatting ------------------------------------------------------------------------------------
+function seconds(s) {
+  s = Math.max(0, Math.round(s));
+  const m = Math.floor(s / 60);
+  return m ? `${m}m ${String(s % 60).padStart(2, "0")}s` : `${s}s`;
+}
+function duration(task) {
+  const end = TERMINAL.includes(task.status) ? task.updated_at : Date.now() / 1000;
+  return seconds(end - task.created_at);
+}
+function tokensOf(task) {
+  const usage = task.response && task.response.usage;
+  return usage ? String(usage.output_tokens) : "–";
+}
+function outputText(response) {
+  let text = "";
+  for (const item of (response && response.output) || []) {
+    if (item.type !== "message") continue;
+    for (const part of item.content || []) if (part.type === "output_text") text += part.text;
+  }
+  return text;
+}
+function cell(row, text, state) {
+  const td = row.insertCell();
+  td.textContent = text;
+  if (state) td.dataset.state = state;
+  return td;
+}
+function notice(text) {
+  const el = $("#notice");
+  el.textContent = text || "";
+  el.hidden = !text;
+}
+
+// -- pages -----------------------------------------------------------------------------------------
+function show(page) {
+  for (const id of ["signin-page", "home-page", "task-page"]) $(`#${id}`).hidden = id !== page;
+  $("#signout").hidden = page === "signin-page";
+}
+
+function signOut(message) {
+  sessionStorage.removeItem("lmsp-token");
+  stopFollowing();
+  show("signin-page");
+  $("#signin-error").textContent = message || "";
+  $("#token").focus();
+}
+
+async function route() {
+  stopFollowing();
+  notice("");
+  if (!token()) return signOut();
+  const match = location.hash.match(/^#\/tasks\/([A-Za-z0-9_]+)$/);
+  if (match) return openTask(match[1]);
+  show("home-page");
+  await Promise.all([loadModels(), loadTasks(false)]).catch((exc) => notice(exc.message));
+}
+
+async function loadModels() {
+  const { data } = await api("GET", `${API}/models`);
+  const body = $("#models tbody");
+  const select = $("#model");
+  const chosen = select.value;
+  body.replaceChildren();
+  select.replaceChildren();
+  for (const m of data) {
+    const row = body.insertRow();
+    cell(row, m.id);
+    cell(row, m.status, m.status);
+    cell(row, String(m.workers));
+    cell(row, String(m.context_window));
+    select.add(new Option(`${m.id}${m.status === "ready" ? "" : " (unavailable)"}`, m.id));
+  }
+  const ready = data.find((m) => m.status === "ready");
+  select.value = data.some((m) => m.id === chosen) ? chosen : (ready || data[0] || {}).id || "";
+}
+
+async function loadTasks(more) {
+  const params = new URLSearchParams({ limit: "20" });
+  if (more && nextCursor) params.set("cursor", nextCursor);
+  const page = await api("GET", `${API}/tasks?${params}`);
+  const body = $("#tasks tbody");
+  if (!more) body.replaceChildren();
+  for (const task of page.data) {
+    const row = body.insertRow();
+    const link = document.createElement("a");
+    link.href = `#/tasks/${task.id}`;
+    link.textContent = task.id;
+    row.insertCell().append(link);
+    cell(row, task.status, task.status);
+    cell(row, tokensOf(task));
+    cell(row, duration(task));
+    cell(row, new Date(task.created_at * 1000).toLocaleString());
+  }
+  if (!more && !page.data.length) {
+    const empty = body.insertRow().insertCell();
+    empty.colSpan = 5;
+    empty.className = "muted";
+    empty.textContent = "No tasks yet: submit one above.";
+  }
+  nextCursor = page.next_cursor;
+  $("#more").hidden = !page.has_more;
+}
+
+async function submitTask(event) {
+  event.preventDefault();
+  $("#submit-error").textContent = "";
+  const input = { model: $("#model").value, input: [{ type: "message", role: "user",
+    content: [{ type: "input_text", text: $("#prompt").value }] }] };
+  const max = $("#max-tokens").value;
+  if (max) input.max_output_tokens = Number(max);
+  try {
+    const task = await api("POST", `${API}/tasks`, { type: "response", input, on_restart: $("#on-restart").value });
+    $("#prompt").value = "";
+    location.hash = `#/tasks/${task.id}`;
+  } catch (exc) {
+    $("#submit-error").textContent = exc.problem && exc.problem.param ? `${exc.message} (${exc.problem.param})`
+                                                                      : exc.message;
+  }
+}
+
+// -- one task, live ----------------------------------------------------------------------------------
+function renderTask() {
+  const { task } = current;
+  $("#task-title").textContent = task.id;
+  $("#task-state").textContent = task.status;
+  $("#task-state").dataset.state = task.status;
+  const usage = task.response && task.response.usage;
+  $("#task-tokens").textContent = usage ? `${usage.output_tokens} output, ${usage.input_tokens} input`
+                                        : `${current.chars} characters so far`;
+  $("#task-elapsed").textContent = duration(task);
+  $("#cancel").hidden = TERMINAL.includes(task.status) || task.status === "cancelling";
+  if (task.error) $("#task-error").textContent = `${task.error.code}: ${task.error.detail}`;
+}
+
+function setText(text) {
+  const pre = $("#task-text");
+  pre.replaceChildren(document.createTextNode(text));
+  current.chars = text.length;
+}
+
+function appendText(delta) {
+  const pre = $("#task-text");
+  const last = pre.lastChild;
+  if (last && last.nodeType === Node.TEXT_NODE) last.appendData(delta);
+  else pre.append(document.createTextNode(delta));
+  current.chars += delta.length;
+}
+
+async function openTask(id) {
+  show("task-page");
+  current = { id, task: null, source: null, last: 0, chars: 0, timer: null, retry: null };
+  $("#task-text").replaceChildren();
+  $("#task-error").textContent = "";
+  $("#task-stream").textContent = "";
+  try {
+    current.task = await api("GET", `${API}/tasks/${id}`);
+  } catch (exc) {
+    $("#task-title").textContent = id;
+    $("#task-error").textContent = exc.message;
+    return;
+  }
+  renderTask();
+  current.timer = setInterval(() => current && current.task && renderTask(), 1000);
+  if (current.task.status === "succeeded") {
+    setText(outputText(current.task.response));  // the stored result: nothing to stream
+    renderTask();
+    $("#task-stream").textContent = "finished";
+    return;
+  }
+  follow();
+}
+
+// EventSource cannot send the Authorization header: a short-lived ticket for this task rides in
+// the URL instead. EventSource reconnects by itself with Last-Event-ID; if it gives up (the ticket
+// expired, the api answered an error), open a new one with a new ticket from the last id seen.
+async function follow() {
+  const state = current;
+  let ticket;
+  try {
+    ticket = await api("POST", `${API}/tasks/${state.id}/events/ticket`);
+  } catch (exc) {
+    if (state !== current) return;
+    $("#task-stream").textContent = "reconnecting…";
+    state.retry = setTimeout(follow, 2000);
+    return;
+  }
+  if (state !== current) return;
+  const url = ticket.events_url + (state.last ? `&after=${state.last}` : "");
+  const source = new EventSource(url);
+  state.source = source;
+  const fresh = (e) => {  // a replay after a reconnect may repeat events: keep each id once
+    const id = Number(e.lastEventId);
+    if (!id || id <= state.last) return false;
+    state.last = id;
+    return true;
+  };
+  source.onopen = () => { $("#task-stream").textContent = "live"; };
+  source.addEventListener("response.output_item.added", (e) => {
+    if (fresh(e) && state.task.status !== "cancelling") { state.task.status = "running"; renderTask(); }
+  });
+  source.addEventListener("response.output_text.delta", (e) => {
+    if (fresh(e)) appendText(JSON.parse(e.data).delta);
+  });
+  source.addEventListener("response.attempt.started", (e) => {
+    if (!fresh(e)) return;
+    const marker = document.createElement("span");
+    marker.className = "retry";
+    marker.textContent = `↻ attempt ${JSON.parse(e.data).attempt} started: the text so far was discarded`;
+    $("#task-text").replaceChildren(marker);
+    state.chars = 0;
+  });
+  for (const name of FINAL) {
+    // A final event may come without an id (recovered from the database): never skip it.
+    source.addEventListener(name, (e) => { fresh(e); finish(state); });
+  }
+  source.addEventListener("error", (e) => {
+    if (e.data) {  // the server's `error` event: it cannot go on; EventSource reconnects
+      $("#task-stream").textContent = "reconnecting…";
+    } else if (source.readyState === EventSource.CLOSED) {
+      $("#task-stream").textContent = "reconnecting…";
+      source.close();
+      if (state === current) state.retry = setTimeout(follow, 1000);
+    } else {
+      $("#task-stream").textContent = "reconnecting…";
+    }
+  });
+}
+
+async function finish(state) {
+  if (state.source) state.source.close();  // the stream is over: no reconnect loop
+  state.source = null;
+  $("#task-stream").textContent = "closed";
+  try {
+    state.task = await api("GET", `${API}/tasks/${state.id}`);
+  } catch (exc) {
+    $("#task-error").textContent = exc.message;
+  }
+  if (state === current) renderTask();
+}
+
+function stopFollowing() {
+  if (!current) return;
+  if (current.source) current.source.close();
+  clearTimeout(current.retry);
+  clearInterval(current.timer);
+  current = null;
+}
+
+async function cancelTask() {
+  const state = current;
+  try {
+    state.task = await api("POST", `${API}/tasks/${state.id}/cancel`);
+    renderTask();
+  } catch (exc) {
+    $("#task-error").textContent = exc.message;
+  }
+}
+
+// -- wiring ----------------------------------------------------------------------------------------
+document.addEventListener("DOMContentLoaded", () => {
+  $("#signin-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    sessionStorage.setItem("lmsp-token", $("#token").value.trim());
+    try {
+      await api("GET", `${API}/models`);
+    } catch (exc) {
+      sessionStorage.removeItem("lmsp-token");
+      $("#signin-error").textContent = exc.status === 401 ? "That token is unknown or revoked." : exc.message;
+      return;
+    }
+    $("#token").value = "";
+    route();
+  });
+  $("#signout").addEventListener("click", () => signOut());
+  $("#submit-form").addEventListener("submit", submitTask);
+  $("#prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("#submit-form").requestSubmit();
+  });
+  $("#refresh").addEventListener("click", () => Promise.all([loadModels(), loadTasks(false)])
+    .catch((exc) => notice(exc.message)));
+  $("#more").addEventListener("click", () => loadTasks(true).catch((exc) => notice(exc.message)));
+  $("#cancel").addEventListener("click", cancelTask);
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && !$("#task-page").hidden) location.hash = "#/";
+  });
+  window.addEventListener("hashchange", route);
+  route();
+});

@@ -1,0 +1,196 @@
+"""The web dashboard in headless Chromium (Debian's, driven by Playwright) against the real stack.
+
+The browser reaches the api through a TCP proxy that the test can cut, so "a dropped connection"
+is a real one. Screenshots of each page go to artifacts/screenshots/ (git-ignored).
+"""
+
+import re
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from lmsp.client import output_text
+from tests.harness import ROOT, Client, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SHOTS = ROOT / "artifacts" / "screenshots"
+
+
+class CuttableProxy:
+    """Forwards 127.0.0.1:<port> to the api; ``cut()`` ends every open connection, both ways."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit("//", 1)[1].split(":")
+        self.target = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.open: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                downstream, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.open += [downstream, upstream]
+            for a, b in ((downstream, upstream), (upstream, downstream)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket):
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for s in (source, sink):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> int:
+        with self.lock:
+            victims, self.open = self.open, []
+        for s in victims:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # at once, also for the pipe threads blocked reading it
+                s.close()
+            except OSError:
+                pass
+        return len(victims) // 2
+
+    def close(self):
+        self.server.close()
+        self.cut()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Chromium through Playwright. Missing pieces fail the test with what to do; nothing is skipped."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("Playwright is not installed: `pip install playwright` (it is in the dev extra)")
+    if not CHROMIUM.exists():
+        found = shutil.which("chromium")
+        pytest.fail(f"Chromium is not at {CHROMIUM} ({found=}): `make test` installs it with "
+                    "`apt-get install -y chromium`")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def site(api, worker, stack):
+    proxy = CuttableProxy(api)
+    token = stack.token("dashboard")
+    yield proxy, token, Client(api, token)
+    proxy.close()
+
+
+def _events_requests(page) -> list:
+    seen = []
+    page.on("request", lambda r: seen.append(r) if re.search(r"/tasks/[^/]+/events\?", r.url) else None)
+    return seen
+
+
+def _submit(page, prompt: str, max_tokens: int) -> str:
+    page.goto(page.url.split("#")[0] + "#/")
+    page.fill("#prompt", prompt)
+    page.fill("#max-tokens", str(max_tokens))
+    page.press("#prompt", "Control+Enter")  # the keyboard path
+    page.wait_for_url(re.compile(r"#/tasks/task_"))
+    return page.url.rsplit("/", 1)[1]
+
+
+def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, model_id):
+    proxy, token, same_principal = site
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    streams = _events_requests(page)
+
+    # sign in (the token stays in sessionStorage)
+    page.goto(proxy.url + "/")  # the page's CSP forbids eval, so waits poll from Python (wait_for)
+    page.wait_for_selector("#signin-page:not([hidden])")
+    page.screenshot(path=str(SHOTS / "1-sign-in.png"))
+    page.fill("#token", "lmsp_not-a-token")
+    page.press("#token", "Enter")
+    wait_for(lambda: "unknown" in page.inner_text("#signin-error"), 30, "no sign-in error for a bad token")
+    page.fill("#token", token)
+    page.press("#token", "Enter")
+    page.wait_for_selector("#home-page:not([hidden])")
+    page.wait_for_selector(f"#models tbody tr:has-text('{model_id}') td[data-state=ready]")
+    assert page.evaluate("sessionStorage.getItem('lmsp-token')") == token
+    assert page.evaluate("localStorage.length") == 0
+    page.screenshot(path=str(SHOTS / "2-home.png"), full_page=True)
+
+    # submit -> live text -> (drop, resume) -> succeeded
+    page.select_option("#model", model_id)
+    task_id = _submit(page, "Write a long story about a lighthouse keeper.", 200)
+    wait_for(lambda: len(page.inner_text("#task-text")) > 40, 180, "no live text")
+    assert page.inner_text("#task-state") == "running"  # text is arriving while the task runs
+    before = len(page.inner_text("#task-text"))
+    assert proxy.cut() >= 1  # the EventSource connection is among those reset
+    wait_for(lambda: page.inner_text("#task-stream") == "live" and len(page.inner_text("#task-text")) > before + 20,
+             120, "the stream did not resume after the drop")
+    page.wait_for_selector("#task-state[data-state=succeeded]", timeout=300_000)
+    shown = page.inner_text("#task-text")
+    final = same_principal.get(f"/lmsp/v1/tasks/{task_id}").json()
+    assert final["status"] == "succeeded"
+    assert shown == output_text(final["response"]), "the resumed stream repeated or lost text"
+    mine = [r for r in streams if task_id in r.url]
+    assert len(mine) >= 2, "the stream was not reopened after the drop"
+    reopened = mine[-1]
+    resumed_from = reopened.all_headers().get("last-event-id") or re.search(r"after=(\d+)", reopened.url).group(1)
+    assert int(resumed_from) > 1
+    assert page.inner_text("#task-stream") == "closed"
+    assert page.inner_text("#task-tokens").startswith(str(final["response"]["usage"]["output_tokens"]))
+    page.screenshot(path=str(SHOTS / "3-task-succeeded.png"), full_page=True)
+    # a finished stream stays closed: no reconnect loop (EventSource retries after ~3 s)
+    settled = len(streams)
+    page.wait_for_timeout(5000)
+    assert len(streams) == settled
+
+    # cancel (with the keyboard)
+    cancel_id = _submit(page, "Write a very long essay on the history of tea.", 1000)
+    wait_for(lambda: len(page.inner_text("#task-text")) > 10, 180, "no live text")
+    page.focus("#cancel")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#task-state[data-state=cancelled]", timeout=60_000)
+    assert same_principal.get(f"/lmsp/v1/tasks/{cancel_id}").json()["status"] == "cancelled"
+    assert page.inner_text("#task-stream") == "closed"
+    page.screenshot(path=str(SHOTS / "4-task-cancelled.png"), full_page=True)
+
+    # the list shows both with state, tokens and duration; one opens to its result
+    page.keyboard.press("Escape")
+    page.wait_for_selector(f"#tasks tbody tr:has-text('{cancel_id}') td[data-state=cancelled]")
+    row = page.locator(f"#tasks tbody tr:has-text('{task_id}')")
+    cells = row.locator("td").all_inner_texts()
+    assert cells[1] == "succeeded" and cells[2] == str(final["response"]["usage"]["output_tokens"])
+    assert re.fullmatch(r"(\d+m )?\d+s", cells[3])
+    page.screenshot(path=str(SHOTS / "5-task-list.png"), full_page=True)
+    row.locator("a").click()
+    page.wait_for_selector("#task-state[data-state=succeeded]")
+    assert page.inner_text("#task-text") == shown
+
+    # phone width: nothing wider than the screen
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(proxy.url + "/#/")
+    page.wait_for_selector(f"#tasks tbody tr:has-text('{task_id}')")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.screenshot(path=str(SHOTS / "6-phone.png"), full_page=True)
+    assert errors == []
+    page.close()
