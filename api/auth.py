@@ -6,7 +6,7 @@ from flask import Flask, g, request
 
 from api.extensions import services
 from common.errors import LMSPError
-from common.tokens import authenticate
+from common.tokens import authenticate, is_active, well_formed
 
 PUBLIC = {"health.healthz", "health.readyz", "static"}
 
@@ -16,17 +16,30 @@ def init_app(app: Flask) -> None:
     def _authenticate():
         if request.endpoint in PUBLIC:
             return
+        svc = services()
         header = request.headers.get("Authorization", "")
         scheme, _, secret = header.partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise LMSPError("unauthorized", "Send Authorization: Bearer <token>; "
                                             "`lmsp tokens create` makes one")
-        with services().sessions() as session:
-            identity = authenticate(session, secret.strip())
+        address = request.remote_addr or "unknown"
+        svc.auth_failures.check(address)  # an address that keeps guessing costs no lookup
+        secret = secret.strip()
+        identity = None
+        if well_formed(secret):
+            with svc.sessions() as session:
+                identity = authenticate(session, secret)
         if identity is None:
+            svc.auth_failures.record(address)
             raise LMSPError("unauthorized", "The token is unknown or revoked")
         g.identity = identity
-        services().limiter.check(identity.principal)
+        svc.limiter.check(identity.principal)
+
+    @app.teardown_request
+    def _release_stream(_exc):
+        release = g.pop("release_stream", None)
+        if release is not None:
+            release()
 
 
 def check_scope(scope: str) -> None:
@@ -47,3 +60,19 @@ def require(scope: str):
 
 def principal() -> str:
     return g.identity.principal
+
+
+def hold_stream() -> None:
+    """Take one of this process's stream slots for the rest of the request (429 when none is
+    left); it is given back when the request ends, however it ends (teardown above)."""
+    g.release_stream = services().streams.acquire(principal())
+
+
+def still_authorized():
+    """For a long stream: a function telling whether its token is still valid (not revoked)."""
+    svc, token_id = services(), g.identity.token_id
+
+    def check() -> bool:
+        with svc.sessions() as session:
+            return is_active(session, token_id)
+    return check

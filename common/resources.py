@@ -21,8 +21,9 @@ def response_object(r: Response) -> dict:
     }
 
 
-def task_object(t: Task, r: Response | None) -> dict:
-    return {
+def task_object(t: Task, r: Response | None, event_resume: bool = True) -> dict:
+    """``event_resume``: whether the task's model offers its events endpoint (else no events_url)."""
+    doc = {
         "id": t.id,
         "object": "task",
         "type": t.type,
@@ -35,3 +36,6 @@ def task_object(t: Task, r: Response | None) -> dict:
         "response": response_object(r) if t.status == SUCCEEDED and r is not None else None,
         "error": t.error if t.status == FAILED else None,
     }
+    if not event_resume:
+        del doc["events_url"]
+    return doc

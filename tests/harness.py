@@ -117,7 +117,7 @@ class Stack:
         port = free_port()
         self.spawn([sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", str(workers), "--threads",
                     str(threads), "-b", f"127.0.0.1:{port}", "--timeout", "120", "api.wsgi:app"],
-                   f"api-{port}.log", **env)
+                   f"api-{port}.log", **{"LMSP_API_THREADS": str(threads), **env})  # its stream slots
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while time.time() < deadline:

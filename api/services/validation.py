@@ -5,10 +5,11 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.grammar import check_budget
 from common.errors import LMSPError
-from common.prompt import count_tokens, load_tokenizer, render
+from common.prompt import count_tokens, load_tokenizer, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest, parse
-from common.registry import ModelSpec, Registry
+from common.registry import ModelSpec
 from common.tables import Response
 
 
@@ -26,9 +27,12 @@ def _capability(spec: ModelSpec, name: str, what: str) -> None:
                         f"(capability {name})", param=name)
 
 
-def prepare(session: Session, registry: Registry, principal: str, body) -> Prepared:
+def prepare(session: Session, svc, principal: str, body) -> Prepared:
+    """``svc``: the api's Services (its registry and grammar gate)."""
     req = parse(ResponseRequest, body)
-    spec = registry.get(req.model)
+    spec = svc.registry.get(req.model)
+    if req.stream:
+        _capability(spec, "streaming", "stream: true")
     if req.tools and (req.tool_choice or "auto") != "none":
         _capability(spec, "tools", "tools")
     if req.tool_choice is not None and not isinstance(req.tool_choice, str):
@@ -39,6 +43,7 @@ def prepare(session: Session, registry: Registry, principal: str, body) -> Prepa
         raise LMSPError("invalid_request", "tool_choice is required but tools is empty", param="tool_choice")
     if req.json_schema is not None:
         _capability(spec, "structured_output", "response_format json_schema")
+    _check_grammar(svc, spec, req)
     if req.previous_response_id:
         _capability(spec, "conversations", "previous_response_id")
         req = _continue(session, principal, req)
@@ -57,6 +62,22 @@ def prepare(session: Session, registry: Registry, principal: str, body) -> Prepa
                         f"{spec.id} has a context window of {spec.context_window}", param="input")
     max_tokens = min(req.max_output_tokens or spec.max_output_tokens, spec.max_output_tokens, room)
     return Prepared(req, spec, input_tokens, max_tokens)
+
+
+def _check_grammar(svc, spec: ModelSpec, req: ResponseRequest) -> None:
+    """The compile budget of the grammar the worker will build (the same schema it uses)."""
+    for i, tool in enumerate(req.tools or []):
+        check_budget(tool.parameters, svc.settings, f"tools[{i}].parameters")
+    constraint = tool_call_schema(req)
+    if constraint is not None:
+        mode = tool_mode(req)
+        param = "tools" if mode == "required" else \
+            f"tools[{next(i for i, t in enumerate(req.tools) if t.name == mode)}].parameters"
+    elif req.json_schema is not None:
+        constraint, param = req.json_schema, "response_format.json_schema.schema"
+    else:
+        return
+    svc.grammars.check(constraint, spec.checkpoint, param)
 
 
 def _continue(session: Session, principal: str, req: ResponseRequest) -> ResponseRequest:

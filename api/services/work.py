@@ -6,7 +6,7 @@ Celery messages are sent only after the transaction commits.
 
 import time
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
@@ -41,7 +41,9 @@ def ensure_available(svc: Services, session: Session, model_id: str) -> None:
                         "or submit a task, which waits in the queue", retry_after=10)
 
 
-def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
+def create_direct(svc: Services, principal: str, prepared: Prepared, before_dispatch=None) -> str:
+    """``before_dispatch(response_id)`` runs between the commit and the dispatch: the caller
+    subscribes to the response's events there, so it misses none of them."""
     with svc.sessions() as session:
         ensure_available(svc, session, prepared.spec.id)
         # Without capability conversations, store is ignored (6.1).
@@ -49,6 +51,8 @@ def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
         row = _response_row(prepared, principal, "queued", stored)
         session.add(row)
         session.commit()
+    if before_dispatch is not None:
+        before_dispatch(row.id)
     dispatch(svc.celery, prepared.spec.interactive_queue, {"response_id": row.id}, INTERACTIVE)
     return row.id
 
@@ -75,6 +79,11 @@ def final_from_row(svc: Services, response_id: str):
 
 
 def check_task_limits(svc: Services, session: Session, principal: str, prepared: Prepared) -> None:
+    # Count and insert under transaction-scoped advisory locks (the principal's and the model's,
+    # always in one order: no deadlock), so concurrent POSTs cannot all see room and overshoot.
+    if session.get_bind().dialect.name == "postgresql":
+        for name in sorted((f"principal:{principal}", f"model:{prepared.spec.id}")):
+            session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
     # One round trip for both limits: this runs on every POST /tasks.
     mine, total = session.execute(
         select(func.count().filter(Task.principal_id == principal), func.count().filter(Task.model == prepared.spec.id))
@@ -119,9 +128,10 @@ def get_task(session: Session, principal: str, task_id: str) -> Task:
     return task
 
 
-def task_view(session: Session, task: Task) -> dict:
+def task_view(session: Session, task: Task, registry) -> dict:
     response = session.get(Response, task.response_id) if task.status == SUCCEEDED else None
-    return task_object(task, response)
+    spec = registry.models.get(task.model)  # a model since removed keeps its events readable
+    return task_object(task, response, event_resume=spec is None or spec.public_capabilities()["event_resume"])
 
 
 def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
@@ -147,7 +157,7 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
         task = get_task(session, principal, task_id)
         if task.status in (SUCCEEDED, FAILED):  # it finished while we tried
             raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
-        return task_view(session, task)
+        return task_view(session, task, svc.registry)
 
 
 def stored_response(session: Session, principal: str, response_id: str) -> dict:

@@ -3,6 +3,7 @@ from flask import Blueprint
 from api.auth import require
 from api.extensions import services
 from api.services.models import live_workers, model_object
+from common.registry import Capabilities
 
 bp = Blueprint("models", __name__, url_prefix="/lmsp/v1")
 
@@ -12,9 +13,9 @@ bp = Blueprint("models", __name__, url_prefix="/lmsp/v1")
 def discovery():
     svc = services()
     return {"object": "service", "version": "1.0", "protocol": "LMSP",
-            "capabilities": {"streaming": True, "tools": True, "structured_output": True,
-                             "conversations": True, "event_resume": True,
-                             "resume_snapshots": True},
+            # What at least one served model offers (spec 8: never advertise what none can do).
+            "capabilities": {name: any(spec.public_capabilities()[name] for spec in svc.registry.models.values())
+                             for name in Capabilities.model_fields},
             "paths": {"models": "/lmsp/v1/models", "responses": "/lmsp/v1/responses",
                       "tasks": "/lmsp/v1/tasks", "openapi": "/lmsp/v1/openapi.json"},
             "models": sorted(svc.registry.models)}

@@ -32,7 +32,7 @@ def create():
         if key is not None and (record := idempotency.existing(session, key)) is not None:
             return _replay(session, who, idempotency.check_replay(record, key))
         try:
-            prepared = prepare(session, svc.registry, who, {**body["input"], "stream": False})
+            prepared = prepare(session, svc, who, {**body["input"], "stream": False})
         except LMSPError as exc:
             exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
             raise
@@ -49,13 +49,13 @@ def create():
             if record is None:
                 raise
             return _replay(session, who, idempotency.check_replay(record, key))
-        doc = task_view(session, task)
+        doc = task_view(session, task, svc.registry)
     send_task(svc, task)
     return _accepted(doc)
 
 
 def _replay(session, who, record) -> Response:
-    return _accepted(task_view(session, get_task(session, who, record.task_id)))
+    return _accepted(task_view(session, get_task(session, who, record.task_id), services().registry))
 
 
 @bp.get("/<task_id>")
@@ -63,7 +63,7 @@ def _replay(session, who, record) -> Response:
 def get(task_id: str):
     svc = services()
     with svc.sessions() as session:
-        return task_view(session, get_task(session, principal(), task_id))
+        return task_view(session, get_task(session, principal(), task_id), svc.registry)
 
 
 @bp.post("/<task_id>/cancel")
