@@ -16,7 +16,7 @@ from api.live import Hub, follow
 from api.ratelimit import StreamSlots
 from api.services.idempotency import Claims, Key
 from common import eventlog, events
-from common.db import session_factory, upgrade
+from common.db import upgrade
 from common.errors import LMSPError
 from common.protocol import ResponseRequest, TaskRequest, parse
 from common.settings import Settings
