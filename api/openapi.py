@@ -156,11 +156,13 @@ def _response_schemas() -> dict:
             "created_at": unix,
             "updated_at": unix,
             "response_id": {"type": "string"},
-            "events_url": {"type": "string", "examples": [f"{API}/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events"]},
+            "events_url": {"type": "string", "examples": [f"{API}/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events"],
+                           "description": "Absent when the task's model lacks capability event_resume"},
             "on_restart": {"type": "string", "enum": ["fail", "retry", "resume"]},
             "response": {**nullable(ref("Response")), "description": "The response once status is succeeded"},
             "error": {**nullable(ref("Problem")), "description": "A problem when status is failed"},
-        }, description="The task object (spec 7.1)."),
+        }, required=["id", "object", "type", "status", "created_at", "updated_at", "response_id", "on_restart",
+               "response", "error"], description="The task object (spec 7.1)."),
         "Capabilities": obj({c: {"type": "boolean"} for c in caps}),
         "Model": obj({
             "id": {"type": "string", "examples": ["qwen3:14b-q4_k_m"]},
@@ -374,6 +376,8 @@ def _paths() -> dict:
                       (409, "idempotency_key_in_use"), *BODY_ERRORS, (422, "idempotency_key_reused"),
                       (500, "server_error", "generation_failed", "server_restarted",
                        "A synchronous request whose generation failed answers the response's problem"),
+                      (429, "rate_limited", "Too many open streams (or requests waiting for a model) "
+                       "for this principal or this server"),
                       (503, "model_unavailable", "No live worker serves the model"))},
             description="An Idempotency-Key replays the stored outcome (status and body) of a finished "
                         "synchronous request.",
@@ -413,9 +417,12 @@ def _paths() -> dict:
                      "headers": _headers(),
                      "content": {SSE: _sse("Server-sent events, each with an integer `id` (1, 2, ...), "
                                            "an `event` name and a JSON `data` line")}},
-             **errors((400, "invalid_request", "`after` or Last-Event-ID is not a non-negative integer"),
+             **errors((400, "invalid_request", "unsupported_capability",
+                       "`after` or Last-Event-ID is not a non-negative integer; unsupported_capability: "
+                       "the task's model lacks event_resume"),
                       (404, "task_not_found"), (410, "event_history_expired",
-                                                "Fetch the final result with GET /lmsp/v1/tasks/{task_id}"))},
+                                                "Fetch the final result with GET /lmsp/v1/tasks/{task_id}"),
+                      (429, "rate_limited", "Too many open streams for this principal or this server"))},
             params=["TaskId", "After", "LastEventId"])},
         f"{API}/tasks/{{task_id}}/ws": {"get": operation(
             "taskEventsWebSocket", "Follow a task's events over a WebSocket, resumable", "events",

@@ -79,7 +79,7 @@ def test_resume_at_or_past_the_final_event_closes_at_once(alice, api, model_id):
     assert frames == [] and time.monotonic() - start < 1
 
 
-def _dropped_ws(base, secret, task_id) -> socket.socket:
+def _dropped_ws(base, secret, task_id) -> tuple[socket.socket, int]:
     """A WebSocket client that completes the handshake and then vanishes: it never reads again,
     so it never answers a ping."""
     host = urlsplit(base)
@@ -89,8 +89,7 @@ def _dropped_ws(base, secret, task_id) -> socket.socket:
                   "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                   f"Authorization: Bearer {secret}\r\n\r\n").encode())
     head = sock.recv(4096).decode(errors="replace")
-    sock.status = int(head.split()[1])
-    return sock
+    return sock, int(head.split()[1])
 
 
 def test_dropped_websocket_followers_do_not_starve_health_or_other_tenants(stack, edge):
@@ -98,7 +97,7 @@ def test_dropped_websocket_followers_do_not_starve_health_or_other_tenants(stack
     m, t = Client(edge, mallory), Client(edge, trent)
     quiet = task(m, QUIET)
     socks = [_dropped_ws(edge, mallory, quiet["id"]) for _ in range(40)]
-    statuses = [s.status for s in socks]
+    statuses = [status for _, status in socks]
     assert statuses.count(101) == 8 and statuses.count(429) == 32  # per-principal cap 8
     # The process has 16 threads, 4 kept back: 12 stream slots; mallory holds 8 of them.
     theirs = task(t, QUIET)
@@ -115,9 +114,9 @@ def test_dropped_websocket_followers_do_not_starve_health_or_other_tenants(stack
     for f in followers:
         f.close()
     # Unanswered pings (every 1 s) free mallory's slots: the dead clients are noticed.
-    wait_for(lambda: _dropped_ws(edge, mallory, quiet["id"]).status == 101, 15, "dropped clients noticed")
-    for s in socks:
-        s.close()
+    wait_for(lambda: _dropped_ws(edge, mallory, quiet["id"])[1] == 101, 15, "dropped clients noticed")
+    for sock, _ in socks:
+        sock.close()
     for who, tk in ((m, quiet), (t, theirs)):
         who.post(f"/lmsp/v1/tasks/{tk['id']}/cancel")
 
@@ -150,11 +149,15 @@ def test_bad_inputs_answer_problems_and_change_nothing(alice, api, model_id, pg_
         return alice.http.post(alice.url(path), data=text.encode("utf-8", "surrogatepass"), timeout=30,
                                headers={"Content-Type": "application/json", "Idempotency-Key": key})
 
-    msg = '{"type": "message", "role": "user", "content": "%s"}'
-    direct = '{"model": "%s", "input": [%s]}' % (model_id, msg % "\\ud800")
-    problem(raw("/lmsp/v1/responses", direct, "surrogate-1"), 400, "invalid_request", "input[0].content")
-    envelope = '{"type": "response", "input": {"model": "%s", "input": [%s]}}' % (model_id, msg % "a\\u0000")
-    problem(raw("/lmsp/v1/tasks", envelope, "nul-1"), 400, "invalid_request", "input.input[0].content")
+    def text(body, escape):  # JSON text with an escape no encoder would write for a str
+        return json.dumps(body).replace("@@", escape)
+
+    direct = {"model": model_id, "input": [{"type": "message", "role": "user", "content": "@@"}]}
+    problem(raw("/lmsp/v1/responses", text(direct, "\\ud800"), "surrogate-1"), 400, "invalid_request",
+            "input[0].content")
+    envelope = {"type": "response", "input": {**direct, "model": model_id}}
+    problem(raw("/lmsp/v1/tasks", text(envelope, "a\\u0000"), "nul-1"), 400, "invalid_request",
+            "input.input[0].content")
     no_schema = {"model": model_id, "input": user("x"), "response_format": {"type": "json_schema"}}
     problem(alice.post("/lmsp/v1/responses", no_schema), 400, "invalid_request", "response_format.json_schema")
     problem(alice.post("/lmsp/v1/tasks", {"type": "response", "input": no_schema}), 400, "invalid_request",
