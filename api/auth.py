@@ -1,5 +1,7 @@
 """Bearer-token authentication and scopes on every route but the health probes (spec 10)."""
 
+import threading
+import time
 from functools import wraps
 
 from flask import Flask, g, request
@@ -68,11 +70,25 @@ def hold_stream() -> None:
     g.release_stream = services().streams.acquire(principal())
 
 
+_checked: dict[str, tuple[float, bool]] = {}  # token id -> (when, still valid): one lookup per token
+_checked_lock = threading.Lock()             # per interval, however many streams it holds open
+
+
 def still_authorized():
     """For a long stream: a function telling whether its token is still valid (not revoked)."""
     svc, token_id = services(), g.identity.token_id
 
     def check() -> bool:
+        now = time.monotonic()
+        with _checked_lock:
+            when, valid = _checked.get(token_id, (-1e9, True))
+        if now - when < svc.settings.stream_auth_recheck_seconds:
+            return valid
         with svc.sessions() as session:
-            return is_active(session, token_id)
+            valid = is_active(session, token_id)
+        with _checked_lock:
+            _checked[token_id] = (now, valid)
+            for stale in [t for t, (w, _) in _checked.items() if now - w > 60]:
+                del _checked[stale]
+        return valid
     return check

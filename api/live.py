@@ -175,8 +175,8 @@ class Hub:
 
 
 PAGE = 20000  # events per log read, written to the client in one piece (small pages cost 2x on replays)
-ENDED_CHECK_SECONDS = 1.0  # how often a quiet follower asks the database whether its response ended
-SAFETY_NET_SECONDS = 5.0   # a live follower re-reads the log this often, for notifications lost in transit
+SAFETY_NET_SECONDS = 5.0   # a quiet task follower re-reads the log (then asks ``ended``) this often
+DIRECT_CHECK_SECONDS = 1.0  # a quiet direct stream asks whether its worker died this often
 
 
 def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: float,
@@ -186,8 +186,10 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
     """Yield lists of events with seq > ``after``, in order, the last list ending with the final
     event; None means "nothing happened for ``heartbeat`` seconds". The stream always ends:
 
-    * ``ended()`` is asked when the log has nothing new (at once on the first read, then every
-      ENDED_CHECK_SECONDS): None while the response runs, else the events that end the stream
+    * a final event at or before ``after`` ends it with nothing sent;
+    * ``ended()`` is asked when the log has nothing new (a task stream: at once, then every
+      SAFETY_NET_SECONDS; a direct one: every DIRECT_CHECK_SECONDS): None while the response
+      runs, else the events that end the stream
       (none for a task whose final event is at or before ``after``; a final event for a direct
       response whose worker died), numbered after the last id sent;
     * ``authorized()`` is asked every ``stream_auth_recheck_seconds``: False (a revoked token)
@@ -218,7 +220,8 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
         last_log = last_sent = last_auth = now
         # A resumed task stream asks at once (it may be past its final event); a new direct one
         # only once it has been quiet a while.
-        last_ended = -ENDED_CHECK_SECONDS if logged else now
+        every = SAFETY_NET_SECONDS if logged else DIRECT_CHECK_SECONDS
+        last_ended = -every if logged else now
         while True:
             now = time.monotonic()
             if authorized is not None and now - last_auth >= settings.stream_auth_recheck_seconds:
@@ -237,7 +240,7 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
                     if len(page) < PAGE:
                         break
                 need_log = False
-                if not page and now - last_ended >= ENDED_CHECK_SECONDS:
+                if not page and now - last_ended >= every:
                     last_ended = now
                     closing = ended()
                     if closing is not None:
@@ -253,9 +256,7 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
                 if now - last_sent >= heartbeat:
                     last_sent = now
                     yield None
-                if logged and now - last_log > SAFETY_NET_SECONDS:
-                    need_log = True
-                elif now - last_ended >= ENDED_CHECK_SECONDS:
+                if now - max(last_log, last_ended) >= every:
                     need_log = True  # nothing in a while: look at the log, then ask whether it ended
                 continue
             if not batch:
@@ -264,6 +265,9 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
             fresh, final = [], False
             for event in sorted(batch):
                 if event[0] <= state["last"]:
+                    if event[1] in FINAL:
+                        final = True  # it ended at or before the resume point: nothing more to send
+                        break
                     continue  # already sent from the log
                 if event[0] != state["last"] + 1:
                     page, final = from_log()  # a gap: the log has what the channel lost, if it was logged

@@ -79,33 +79,50 @@ def test_resume_at_or_past_the_final_event_closes_at_once(alice, api, model_id):
     assert frames == [] and time.monotonic() - start < 1
 
 
-def _dropped_ws(base, secret, task_id) -> tuple[socket.socket, int]:
-    """A WebSocket client that completes the handshake and then vanishes: it never reads again,
-    so it never answers a ping."""
-    host = urlsplit(base)
-    sock = socket.create_connection((host.hostname, host.port), timeout=10)
-    sock.sendall((f"GET /lmsp/v1/tasks/{task_id}/ws HTTP/1.1\r\nHost: {host.netloc}\r\n"
-                  "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-                  "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                  f"Authorization: Bearer {secret}\r\n\r\n").encode())
-    head = sock.recv(4096).decode(errors="replace")
-    return sock, int(head.split()[1])
+class Follower:
+    """A WebSocket follower that answers pings (a reader thread) until ``drop()``: then it
+    vanishes without closing, like a client whose network went away."""
+
+    def __init__(self, base, secret, task_id):
+        self.ws = websocket.create_connection(ws_url(base, f"/lmsp/v1/tasks/{task_id}/ws"), timeout=10,
+                                              header=[f"Authorization: Bearer {secret}"])
+        self.ws.settimeout(0.2)
+        self.dropped = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        while not self.dropped:
+            try:
+                self.ws.recv()  # answers the server's pings
+            except websocket.WebSocketTimeoutException:
+                continue
+            except (websocket.WebSocketException, OSError):
+                return
+
+    def drop(self):
+        self.dropped = True
+
+
+def _open_ws(base, secret, task_id):
+    try:
+        return Follower(base, secret, task_id), 101
+    except websocket.WebSocketBadStatusException as refused:
+        return None, refused.status_code
 
 
 def test_dropped_websocket_followers_do_not_starve_health_or_other_tenants(stack, edge):
     mallory, trent = stack.token("mallory"), stack.token("trent")
     m, t = Client(edge, mallory), Client(edge, trent)
     quiet = task(m, QUIET)
-    socks = [_dropped_ws(edge, mallory, quiet["id"]) for _ in range(40)]
-    statuses = [status for _, status in socks]
+    opened = [_open_ws(edge, mallory, quiet["id"]) for _ in range(40)]
+    statuses = [status for _, status in opened]
     assert statuses.count(101) == 8 and statuses.count(429) == 32  # per-principal cap 8
     # The process has 16 threads, 4 kept back: 12 stream slots; mallory holds 8 of them.
     theirs = task(t, QUIET)
-    followers = [t.http.get(t.url(theirs["events_url"]), stream=True, timeout=30) for _ in range(4)]
-    assert [f.status_code for f in followers] == [200] * 4
-    refused = t.get(theirs["events_url"])
-    doc = problem(refused, 429, "rate_limited")
-    assert int(refused.headers["Retry-After"]) >= 1 and "streams open" in doc["detail"]
+    followers = [t.http.get(t.url(theirs["events_url"]), stream=True, timeout=30) for _ in range(5)]
+    assert [f.status_code for f in followers] == [200] * 4 + [429]
+    doc = problem(followers[-1], 429, "rate_limited")
+    assert int(followers[-1].headers["Retry-After"]) >= 1 and "streams open" in doc["detail"]
     for _ in range(5):  # short requests and probes still have threads
         start = time.monotonic()
         assert requests.get(edge + "/healthz", timeout=5).status_code == 200
@@ -113,10 +130,19 @@ def test_dropped_websocket_followers_do_not_starve_health_or_other_tenants(stack
         assert time.monotonic() - start < 2
     for f in followers:
         f.close()
-    # Unanswered pings (every 1 s) free mallory's slots: the dead clients are noticed.
-    wait_for(lambda: _dropped_ws(edge, mallory, quiet["id"])[1] == 101, 15, "dropped clients noticed")
-    for sock, _ in socks:
-        sock.close()
+    # mallory's clients vanish: unanswered pings (every 1 s) give their threads back.
+    for follower, _ in opened:
+        if follower is not None:
+            follower.drop()
+    again = []
+
+    def reopen() -> bool:
+        follower, _ = _open_ws(edge, mallory, quiet["id"])
+        again.extend([follower] if follower else [])
+        return len(again) == 8
+    wait_for(reopen, 30, "all 8 dropped clients noticed")
+    for follower in again:
+        follower.ws.close()
     for who, tk in ((m, quiet), (t, theirs)):
         who.post(f"/lmsp/v1/tasks/{tk['id']}/cancel")
 
@@ -295,3 +321,75 @@ def test_revoking_a_token_ends_its_open_streams(stack, edge):
     assert time.monotonic() - start < 5 and got.get("ws")
     assert [e[1] for e in got["sse"]] == ["error"] and got["sse"][0][2]["error"]["code"] == "unauthorized"
     assert isinstance(got["sse"][0][0], int)  # even the error event has an id
+
+
+class RedisProxy:
+    """A TCP proxy in front of the shared Redis that a test can cut (connections reset, nothing
+    listening: Redis stopped) or hang (connections open, nothing forwarded: Redis stopped answering),
+    without touching the Redis every other test uses."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.mode = "pass"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            client, _ = self.server.accept()
+            if self.mode != "pass":
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a, b):
+        try:
+            while data := a.recv(65536):
+                while self.mode == "hang":
+                    time.sleep(0.1)
+                if self.mode == "cut":
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def cut(self):
+        self.mode = "cut"
+        for s in self.conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.conns = []
+
+
+@pytest.mark.parametrize("outage", ["cut", "hang"])
+def test_followers_complete_when_redis_goes_away_mid_stream(stack, alice, model_id, outage):
+    from tests.harness import REDIS_URL
+    target = urlsplit(REDIS_URL)
+    proxy = RedisProxy((target.hostname, target.port or 6379))
+    base = stack.start_api(LMSP_REDIS_URL=f"redis://127.0.0.1:{proxy.port}/0")
+    client = Client(base, alice.http.headers["Authorization"].split()[1])
+    job = task(client, model_id, max_output_tokens=80)
+    seen = []
+    with client.http.get(client.url(job["events_url"]), stream=True, timeout=120) as resp:
+        for event in iter_sse(resp.iter_lines(decode_unicode=True)):
+            seen.append(event)
+            if len(seen) == 3:
+                if outage == "cut":
+                    proxy.cut()
+                else:
+                    proxy.mode = "hang"
+    assert [e[0] for e in seen] == list(range(1, len(seen) + 1))
+    assert seen[-1][1] in ("response.completed", "response.incomplete") and len(seen) > 4
+    assert requests.get(base + "/healthz", timeout=5).status_code == 200
