@@ -33,7 +33,7 @@ _SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 START_SECONDS = 300  # importing torch and loading a tokenizer on a busy machine
 
 
-def check_budget(schema, settings: Settings, param: str) -> None:
+def check_budget(schema, param: str, settings: Settings) -> None:
     nodes = alternatives = 0
     stack = [(schema, 1, 1)]  # value, depth, how many alternatives enclose it
     while stack:
@@ -71,8 +71,8 @@ class GrammarGate:
         self._skipped: set[str] = set()      # ... and cannot load these
         self._unavailable = False  # xgrammar is not installed: only the static limits apply
 
-    def check(self, schema: dict, checkpoint: str, param: str) -> None:
-        check_budget(schema, self.settings, param)
+    def check(self, schema: dict, param: str, checkpoint: str) -> None:
+        """Whether the backend compiles ``schema`` (within its size limits: ``check_budget`` first)."""
         if self._unavailable:
             return
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

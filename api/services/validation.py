@@ -43,7 +43,11 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
         raise LMSPError("invalid_request", "tool_choice is required but tools is empty", param="tool_choice")
     if req.json_schema is not None:
         _capability(spec, "structured_output", "response_format json_schema")
-    _check_grammar(svc, spec, req)
+    for i, tool in enumerate(req.tools or []):  # the grammar's size limits, cheap: before the rest
+        check_budget(tool.parameters, f"tools[{i}].parameters", svc.settings)
+    constraint = _constraint(req)
+    if constraint is not None:
+        check_budget(*constraint, svc.settings)
     if req.previous_response_id:
         _capability(spec, "conversations", "previous_response_id")
         req = _continue(session, principal, req)
@@ -61,23 +65,21 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
         raise LMSPError("context_length_exceeded", f"The input is {input_tokens} tokens; model "
                         f"{spec.id} has a context window of {spec.context_window}", param="input")
     max_tokens = min(req.max_output_tokens or spec.max_output_tokens, spec.max_output_tokens, room)
+    if constraint is not None:  # the grammar backend's own compile: the costliest check, so the last
+        svc.grammars.check(*constraint, spec.checkpoint)
     return Prepared(req, spec, input_tokens, max_tokens)
 
 
-def _check_grammar(svc, spec: ModelSpec, req: ResponseRequest) -> None:
-    """The compile budget of the grammar the worker will build (the same schema it uses)."""
-    for i, tool in enumerate(req.tools or []):
-        check_budget(tool.parameters, svc.settings, f"tools[{i}].parameters")
-    constraint = tool_call_schema(req)
-    if constraint is not None:
+def _constraint(req: ResponseRequest) -> tuple[dict, str] | None:
+    """The schema generation will be constrained to (the same the worker uses), and its param."""
+    schema = tool_call_schema(req)
+    if schema is not None:
         mode = tool_mode(req)
-        param = "tools" if mode == "required" else \
-            f"tools[{next(i for i, t in enumerate(req.tools) if t.name == mode)}].parameters"
-    elif req.json_schema is not None:
-        constraint, param = req.json_schema, "response_format.json_schema.schema"
-    else:
-        return
-    svc.grammars.check(constraint, spec.checkpoint, param)
+        index = next((i for i, t in enumerate(req.tools) if t.name == mode), None)
+        return schema, "tools" if index is None else f"tools[{index}].parameters"
+    if req.json_schema is not None:
+        return req.json_schema, "response_format.json_schema.schema"
+    return None
 
 
 def _continue(session: Session, principal: str, req: ResponseRequest) -> ResponseRequest:
