@@ -58,8 +58,8 @@ def _follow(task_id: str, response_id: str, after: int):
     def ended():
         """A finished task whose log has nothing after ``after`` ends the stream with no event."""
         with svc.sessions() as session:
-            status = session.get(Task, task_id).status
-        return [] if status in TERMINAL else None
+            task = session.get(Task, task_id)
+        return [] if task is None or task.status in TERMINAL else None  # None: purged meanwhile
 
     return follow(svc.hub, response_id, after, logged=True, heartbeat=svc.settings.sse_heartbeat_seconds,
                   ended=ended, authorized=still_authorized())
