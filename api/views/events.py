@@ -1,10 +1,11 @@
 """Following a task's events over SSE (7.4) or WebSocket, resumable with after / Last-Event-ID."""
 
+import logging
 import re
 import time
 
 from flask import Blueprint, Response, g, request, stream_with_context
-from flask_sock import Sock
+from flask_sock import ConnectionClosed, Sock
 
 from api.auth import check_scope, hold_stream, principal, require, still_authorized
 from api.extensions import services
@@ -15,6 +16,7 @@ from common.errors import LMSPError
 from common.states import TERMINAL
 from common.tables import Task
 
+log = logging.getLogger("lmsp.events")
 bp = Blueprint("events", __name__, url_prefix="/lmsp/v1/tasks")
 sock = Sock()
 _EVENT_ID = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() admits "²", which int() refuses
@@ -111,6 +113,12 @@ def ws(socket, task_id: str):
                 socket.send(events.ws_frame(*event))
     except LMSPError as exc:
         socket.close(reason=1008, message=exc.detail)  # policy violation: the token was revoked
+        return
+    except ConnectionClosed:
+        return
+    except Exception:  # noqa: BLE001 - close with "internal error": the client resumes with after
+        log.exception("websocket stream failed")
+        socket.close(reason=1011, message="the stream failed; reconnect with after to continue")
         return
     finally:
         batches.close()
