@@ -4,7 +4,7 @@ import threading
 import time
 from functools import wraps
 
-from flask import Flask, g, request
+from flask import Flask, Response, g, request
 
 from api.extensions import services
 from common.errors import LMSPError
@@ -66,8 +66,19 @@ def principal() -> str:
 
 def hold_stream() -> None:
     """Take one of this process's stream slots for the rest of the request (429 when none is
-    left); it is given back when the request ends, however it ends (teardown above)."""
+    left); it is given back when the request ends, however it ends (teardown above), or, for a
+    streamed body, when the server closes it (``streamed``)."""
     g.release_stream = services().streams.acquire(principal())
+
+
+def streamed(resp: Response) -> Response:
+    """Move the request's stream slot to ``resp``: Flask tears a request down as soon as its view
+    returns, long before a streamed body ends; the WSGI server closes the body when it is done
+    or the client is gone, even if it never started."""
+    release = g.pop("release_stream", None)
+    if release is not None:
+        resp.call_on_close(release)
+    return resp
 
 
 _checked: dict[str, tuple[float, bool]] = {}  # token id -> (when, still valid): one lookup per token

@@ -275,7 +275,18 @@ def test_resume_at_or_past_the_final_event_ends_at_once(client, svc, resume):
     resp = client.get(path, headers={"Last-Event-ID": "3"} if resume == "header" else {})
     assert resp.status_code == 200 and resp.get_data(as_text=True) == ""
     assert time.monotonic() - start < 1
+    resp.close()
     assert svc.streams.open == 0  # the stream's slot is back
+
+
+def test_an_open_stream_holds_its_slot_until_the_server_closes_it(client, svc):
+    with svc.sessions() as session:
+        task = factories.task(session, "running", owner="pat", model=MODEL)
+        session.commit()
+    resp = client.get(f"/lmsp/v1/tasks/{task.id}/events", buffered=False)
+    assert resp.status_code == 200 and svc.streams.open == 1  # the view has returned; the body goes on
+    resp.close()  # what the WSGI server does when the client is gone
+    assert svc.streams.open == 0
 
 
 def test_stream_slots_cap_per_principal_and_per_process():

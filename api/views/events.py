@@ -7,7 +7,7 @@ import time
 from flask import Blueprint, Response, g, request, stream_with_context
 from flask_sock import ConnectionClosed, Sock
 
-from api.auth import check_scope, hold_stream, principal, require, still_authorized
+from api.auth import check_scope, hold_stream, principal, require, still_authorized, streamed
 from api.extensions import services
 from api.live import follow, stream_error
 from api.services.work import get_task
@@ -89,8 +89,8 @@ def sse(task_id: str):
         finally:
             batches.close()
 
-    return Response(stream_with_context(body()), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return streamed(Response(stream_with_context(body()), mimetype="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
 
 
 @bp.before_request

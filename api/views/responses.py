@@ -2,7 +2,7 @@ import json
 
 from flask import Blueprint, Response, request, stream_with_context
 
-from api.auth import hold_stream, principal, require
+from api.auth import hold_stream, principal, require, streamed
 from api.body import json_body
 from api.extensions import services
 from api.live import follow, stream_error
@@ -45,8 +45,9 @@ def create():
         raise
     events_ = _events(svc, response_id, subscription)
     if prepared.request.stream:
-        return Response(stream_with_context(_stream(svc, response_id, key, events_)),
-                        mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return streamed(Response(stream_with_context(_stream(svc, response_id, key, events_)),
+                                 mimetype="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
     return _wait(svc, response_id, key, events_)
 
 
