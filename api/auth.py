@@ -8,7 +8,7 @@ from flask import Flask, Response, g, request
 
 from api.extensions import services
 from common.errors import LMSPError
-from common.tokens import authenticate, is_active, well_formed
+from common.tokens import authenticate, hash_secret, is_active, well_formed
 
 PUBLIC = {"health.healthz", "health.readyz", "static"}
 
@@ -24,16 +24,17 @@ def init_app(app: Flask) -> None:
         if scheme.lower() != "bearer" or not secret.strip():
             raise LMSPError("unauthorized", "Send Authorization: Bearer <token>; "
                                             "`lmsp tokens create` makes one")
-        address = request.remote_addr or "unknown"
-        svc.auth_failures.check(address)  # an address that keeps guessing costs no lookup
         secret = secret.strip()
-        identity = None
-        if well_formed(secret):
-            with svc.sessions() as session:
-                identity = authenticate(session, secret)
-        if identity is None:
-            svc.auth_failures.record(address)
+        if not well_formed(secret):  # refused without a lookup: it costs nothing, so it is not counted
             raise LMSPError("unauthorized", "The token is unknown or revoked")
+        address, digest = request.remote_addr or "unknown", hash_secret(secret)
+        svc.auth_failures.check(address, digest)  # an address that keeps guessing costs no lookup
+        with svc.sessions() as session:
+            identity = authenticate(session, secret)
+        if identity is None:
+            svc.auth_failures.failed(address)
+            raise LMSPError("unauthorized", "The token is unknown or revoked")
+        svc.auth_failures.succeeded(digest)
         g.identity = identity
         svc.limiter.check(identity.principal)
 

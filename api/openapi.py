@@ -302,6 +302,8 @@ def errors(*extra: tuple, auth: bool = True) -> dict:
     if auth:
         groups[401] = (["unauthorized"], ["Missing, unknown or revoked token."])
         groups[403] = (["insufficient_scope"], ["The token lacks the operation's scope."])
+        groups[429] = (["rate_limited"], ["Too many requests for this principal, or too many bad tokens "
+                                          "from this address."])
     for status, *items in extra:
         codes, notes = groups.setdefault(status, ([], []))
         for item in items:

@@ -58,34 +58,48 @@ class RateLimiter:
 
 
 class AuthFailures:
-    """Bad tokens per client address in this process, per clock minute: past the limit an address
-    is refused with 429 before any database lookup, so guessing costs the database nothing."""
+    """Failed lookups of well-formed tokens per client address in this process, per clock minute.
+
+    Past the limit, an address's *unknown* tokens are refused with 429 before any database lookup,
+    so guessing costs the database nothing; a token that authenticated here in the last hour is
+    still looked up (a revocation takes effect at once), so clients that share the address (NAT,
+    a proxy) go on. A malformed token never costs a lookup and is not counted.
+    """
+
+    KNOWN_SECONDS = 3600
 
     def __init__(self, per_minute: int):
         self.limit = per_minute
         self.window = 0
         self.counts: dict[str, int] = {}
+        self.known: dict[str, float] = {}  # token hash -> when it last authenticated
         self.lock = threading.Lock()
 
     def _roll(self, now: float) -> None:
         window = int(now // 60)
         if window != self.window:
             self.window, self.counts = window, {}
+            self.known = {d: t for d, t in self.known.items() if now - t < self.KNOWN_SECONDS}
 
-    def check(self, address: str) -> None:
+    def check(self, address: str, digest: str) -> None:
         now = time.time()
         with self.lock:
             self._roll(now)
-            blocked = self.limit > 0 and self.counts.get(address, 0) >= self.limit
+            blocked = (self.limit > 0 and self.counts.get(address, 0) >= self.limit
+                       and digest not in self.known)
         if blocked:
             wait = max(1, math.ceil(60 - now % 60))
             raise LMSPError("rate_limited", f"Too many bad tokens from {address}; retry after {wait} s",
                             retry_after=wait)
 
-    def record(self, address: str) -> None:
+    def failed(self, address: str) -> None:
         with self.lock:
             self._roll(time.time())
             self.counts[address] = self.counts.get(address, 0) + 1
+
+    def succeeded(self, digest: str) -> None:
+        with self.lock:
+            self.known[digest] = time.time()
 
 
 class StreamSlots:

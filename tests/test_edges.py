@@ -195,15 +195,36 @@ def test_bad_inputs_answer_problems_and_change_nothing(alice, api, model_id, pg_
     assert counts() == before
 
 
-def test_bad_tokens_are_rate_limited_per_address(edge):
-    if time.time() % 60 > 50:
+class FromAddress(requests.adapters.HTTPAdapter):
+    """Connect from another loopback address: the api sees another client address."""
+
+    def __init__(self, address: str):
+        self.address = address
+        super().__init__()
+
+    def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, **kwargs, source_address=(self.address, 0))
+
+
+def test_bad_tokens_are_rate_limited_per_address(stack, edge):
+    if time.time() % 60 > 45:
         time.sleep(61 - time.time() % 60)  # the count is per clock minute: start one
-    guess = "lmsp_" + "x" * 43
-    answers = [requests.get(edge + "/lmsp/v1/models", headers={"Authorization": f"Bearer {guess}"}, timeout=10)
-               for _ in range(7)]
+    guesser = requests.Session()
+    guesser.mount("http://", FromAddress("127.0.0.9"))
+    good = f"Bearer {stack.token('olga')}"
+
+    def get(token):
+        return guesser.get(edge + "/lmsp/v1/models", headers={"Authorization": token}, timeout=10)
+
+    assert get(good).status_code == 200
+    assert [get("Bearer not-a-token").status_code for _ in range(10)] == [401] * 10  # free: not counted
+    answers = [get("Bearer lmsp_" + "x" * 43) for _ in range(7)]
     assert [r.status_code for r in answers] == [401] * 5 + [429] * 2
     problem(answers[-1], 429, "rate_limited")
     assert int(answers[-1].headers["Retry-After"]) >= 1
+    assert get(good).status_code == 200  # a client of that address that authenticated goes on
+    assert requests.get(edge + "/lmsp/v1/models", timeout=10,  # and another address is untouched
+                        headers={"Authorization": "Bearer lmsp_" + "y" * 43}).status_code == 401
 
 
 def _nested(depth: int) -> dict:
