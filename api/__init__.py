@@ -18,8 +18,10 @@ log = logging.getLogger("lmsp.api")
 def create_app(settings: Settings | None = None) -> Flask:
     from api import auth, openapi, problems
     from api.extensions import Services
+    from api.grammar import GrammarGate
     from api.live import Hub
-    from api.ratelimit import RateLimiter
+    from api.ratelimit import AuthFailures, RateLimiter, StreamSlots
+    from api.services.idempotency import Claims
     from api.views import dashboard, events, health, metrics, models, responses, tasks
 
     settings = settings or get_settings()
@@ -34,8 +36,15 @@ def create_app(settings: Settings | None = None) -> Flask:
         registry=Registry.load(settings.models_path), celery=make_celery(settings),
         publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions),
         limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url),
-        sender=ThreadPoolExecutor(1, "lmsp-dispatch"))
-    # Tokenizers count input tokens on every request: load them now, once, not inside the first requests.
+        sender=ThreadPoolExecutor(1, "lmsp-dispatch"),
+        auth_failures=AuthFailures(settings.auth_failures_per_minute),
+        streams=StreamSlots(settings.api_threads - settings.stream_reserved_threads,
+                            settings.max_streams_per_principal),
+        grammars=GrammarGate(settings),
+        claims=Claims(sessions, settings.idempotency_heartbeat_seconds))
+    app.config["SOCK_SERVER_OPTIONS"] = {"ping_interval": settings.ws_ping_seconds}  # notice dead clients
+    # Tokenizers count input tokens on every request: load them now, once, not inside the first
+    # requests (transformers' lazy imports are not safe to race from many threads).
     for spec in app.extensions["lmsp"].registry.models.values():
         try:
             load_tokenizer(spec.checkpoint)

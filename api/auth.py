@@ -1,13 +1,15 @@
 """Bearer-token authentication and scopes on every route but the health probes (spec 10)."""
 
+import threading
+import time
 from functools import wraps
 
-from flask import Flask, g, request
+from flask import Flask, Response, g, request
 
 from api.extensions import services
 from api.services import tickets
 from common.errors import LMSPError
-from common.tokens import authenticate
+from common.tokens import authenticate, hash_secret, is_active, well_formed
 
 PUBLIC = {"health.healthz", "health.readyz", "static", "dashboard.index"}
 
@@ -17,17 +19,31 @@ def init_app(app: Flask) -> None:
     def _authenticate():
         if request.endpoint in PUBLIC or tickets.admit():  # admit: EventSource's stream ticket
             return
+        svc = services()
         header = request.headers.get("Authorization", "")
         scheme, _, secret = header.partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise LMSPError("unauthorized", "Send Authorization: Bearer <token>; "
                                             "`lmsp tokens create` makes one")
-        with services().sessions() as session:
-            identity = authenticate(session, secret.strip())
-        if identity is None:
+        secret = secret.strip()
+        if not well_formed(secret):  # refused without a lookup: it costs nothing, so it is not counted
             raise LMSPError("unauthorized", "The token is unknown or revoked")
+        address, digest = request.remote_addr or "unknown", hash_secret(secret)
+        svc.auth_failures.check(address, digest)  # an address that keeps guessing costs no lookup
+        with svc.sessions() as session:
+            identity = authenticate(session, secret)
+        if identity is None:
+            svc.auth_failures.failed(address)
+            raise LMSPError("unauthorized", "The token is unknown or revoked")
+        svc.auth_failures.succeeded(digest)
         g.identity = identity
-        services().limiter.check(identity.principal)
+        svc.limiter.check(identity.principal)
+
+    @app.teardown_request
+    def _release_stream(_exc):
+        release = g.pop("release_stream", None)
+        if release is not None:
+            release()
 
 
 def check_scope(scope: str) -> None:
@@ -48,3 +64,44 @@ def require(scope: str):
 
 def principal() -> str:
     return g.identity.principal
+
+
+def hold_stream() -> None:
+    """Take one of this process's stream slots for the rest of the request (429 when none is
+    left); it is given back when the request ends, however it ends (teardown above), or, for a
+    streamed body, when the server closes it (``streamed``)."""
+    g.release_stream = services().streams.acquire(principal())
+
+
+def streamed(resp: Response) -> Response:
+    """Move the request's stream slot to ``resp``: Flask tears a request down as soon as its view
+    returns, long before a streamed body ends; the WSGI server closes the body when it is done
+    or the client is gone, even if it never started."""
+    release = g.pop("release_stream", None)
+    if release is not None:
+        resp.call_on_close(release)
+    return resp
+
+
+_checked: dict[str, tuple[float, bool]] = {}  # token id -> (when, still valid): one lookup per token
+_checked_lock = threading.Lock()             # per interval, however many streams it holds open
+
+
+def still_authorized():
+    """For a long stream: a function telling whether its token is still valid (not revoked)."""
+    svc, token_id = services(), g.identity.token_id
+
+    def check() -> bool:
+        now = time.monotonic()
+        with _checked_lock:
+            when, valid = _checked.get(token_id, (-1e9, True))
+        if now - when < svc.settings.stream_auth_recheck_seconds:
+            return valid
+        with svc.sessions() as session:
+            valid = is_active(session, token_id)
+        with _checked_lock:
+            _checked[token_id] = (now, valid)
+            for stale in [t for t, (w, _) in _checked.items() if now - w > 60]:
+                del _checked[stale]
+        return valid
+    return check

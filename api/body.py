@@ -1,4 +1,8 @@
-"""Reading a JSON request body within the limits of spec 10."""
+"""Reading a JSON request body within the limits of spec 10.
+
+Every string (keys too) is checked once here, with ``param`` naming where it is: no NUL (Postgres
+JSONB refuses it) and no lone surrogate (it cannot be encoded, so hashing or tokenizing it fails).
+"""
 
 import json
 
@@ -8,27 +12,43 @@ from api.extensions import services
 from common.errors import LMSPError
 
 
-def _depth(value, limit: int, level: int = 1) -> None:
-    if level > limit:
-        raise LMSPError("invalid_request", f"JSON is nested deeper than {limit} levels")
-    if isinstance(value, dict):
-        for v in value.values():
-            _depth(v, limit, level + 1)
-    elif isinstance(value, list):
-        for v in value:
-            _depth(v, limit, level + 1)
+def param_of(path: tuple) -> str:
+    """("input", 0, "content") -> "input[0].content", the form ``param`` uses everywhere."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + str(part)
+    return out
 
 
-def _sizes(value, settings) -> None:
+def _check(value, settings, path: tuple, level: int) -> None:
+    if level > settings.max_json_depth:
+        raise LMSPError("invalid_request", f"JSON is nested deeper than {settings.max_json_depth} levels",
+                        param=param_of(path) or None)
     if isinstance(value, str):
-        if len(value) > settings.max_string_chars:
-            raise LMSPError("invalid_request", f"A string is longer than {settings.max_string_chars} characters")
+        _string(value, settings, path)
     elif isinstance(value, dict):
-        for v in value.values():
-            _sizes(v, settings)
+        for k, v in value.items():
+            _string(k, settings, path + (k,))
+            _check(v, settings, path + (k,), level + 1)
     elif isinstance(value, list):
-        for v in value:
-            _sizes(v, settings)
+        for i, v in enumerate(value):
+            _check(v, settings, path + (i,), level + 1)
+
+
+def _string(text: str, settings, path: tuple) -> None:
+    problem = None
+    if len(text) > settings.max_string_chars:
+        problem = f"is longer than {settings.max_string_chars} characters"
+    elif "\x00" in text:
+        problem = "contains U+0000 (NUL), which is not allowed"
+    elif not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            problem = "contains a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair)"
+    if problem is not None:
+        param = param_of(path)
+        raise LMSPError("invalid_request", f"{param or 'A string'} {problem}", param=param or None)
 
 
 def json_body():
@@ -49,14 +69,14 @@ def json_body():
         raise LMSPError("invalid_request", "JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise LMSPError("invalid_request", "The body must be a JSON object")
-    _depth(body, settings.max_json_depth)
-    _sizes(body, settings)
-    inner = body["input"] if isinstance(body.get("input"), dict) else body  # a task wraps the request
-    items, tools = inner.get("input"), inner.get("tools")
+    _check(body, settings, (), 1)
+    inner, prefix = (body["input"], "input.") if isinstance(body.get("input"), dict) else (body, "")
+    items, tools = inner.get("input"), inner.get("tools")  # a task wraps the request
     if isinstance(items, list) and len(items) > settings.max_input_items:
-        raise LMSPError("invalid_request", f"At most {settings.max_input_items} input items", param="input")
+        raise LMSPError("invalid_request", f"At most {settings.max_input_items} input items",
+                        param=prefix + "input")
     if isinstance(tools, list) and len(tools) > settings.max_tools:
-        raise LMSPError("invalid_request", f"At most {settings.max_tools} tools", param="tools")
+        raise LMSPError("invalid_request", f"At most {settings.max_tools} tools", param=prefix + "tools")
     return body
 
 

@@ -23,6 +23,10 @@ class Services:
     hub: "object"      # api.live.Hub
     limiter: "object"  # api.ratelimit.RateLimiter
     sender: ThreadPoolExecutor  # sends broker messages after the commit, off the request threads
+    auth_failures: "object"  # api.ratelimit.AuthFailures
+    streams: "object"        # api.ratelimit.StreamSlots
+    grammars: "object"       # api.grammar.GrammarGate
+    claims: "object"         # api.services.idempotency.Claims
 
 
 def services() -> Services:

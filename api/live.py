@@ -1,8 +1,9 @@
-"""Following a response's events: replay the log, then live, never a seq twice.
+"""Following a response's events: replay the log, then live, never a seq twice, always to the end.
 
 One Redis subscription per api process (the Hub) fans notifications out to
-every follower in it. Without Redis the log is simply read again every
-``poll_interval_seconds``.
+every follower in it. While Redis is away (never configured, down at start,
+or lost mid-stream) followers read the log every ``poll_interval_seconds``
+instead, and go back to live notifications when it returns.
 """
 
 import logging
@@ -10,18 +11,20 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis
 
 from common import eventlog
 from common.bus import HUB, channel, decode, response_of
-from common.errors import problem
+from common.errors import LMSPError, problem
 from common.events import ERROR, FINAL, dumps, sse
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.live")
 Event = tuple[int, str, str]
+PING_SECONDS = 5.0         # the listener pings Redis this often; silence for 3 pings means it is gone
+CONFIRM_SECONDS = 1.0      # how long a new follower waits for Redis to confirm its subscription
 
 
 class Subscription:
@@ -31,7 +34,8 @@ class Subscription:
         self.queue: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
 
     def get(self, timeout: float) -> list[Event] | None:
-        """Events announced since the last call, or None when nothing came in ``timeout``."""
+        """Events announced since the last call, or None when nothing came in ``timeout``.
+        An empty list means "the transport changed: read the log"."""
         try:
             batch = self.queue.get(timeout=timeout)
         except queue.Empty:
@@ -53,28 +57,36 @@ class Subscription:
 
 
 class Hub:
+    """The process's one Redis subscriber. Only the listener thread connects or reconnects, never
+    under the lock; (un)subscribe commands go out under the lock on a live connection only, so
+    they stay ordered, and socket timeouts bound them."""
+
     def __init__(self, settings: Settings, sessions):
         self.settings = settings
         self.sessions = sessions
-        self.client = redis.Redis.from_url(settings.redis_url) if settings.redis_url else None
+        self.client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=1
+                                           ) if settings.redis_url else None
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._subs: dict[str, set[Subscription]] = defaultdict(set)
+        self._confirmed: set[str] = set()
         self._pubsub = None
+        self.connected = False
         self._thread = None
-
-    @property
-    def live(self) -> bool:
-        return self.client is not None
+        if self.client is not None:
+            self._thread = threading.Thread(target=self._listen, name="lmsp-hub", daemon=True)
+            self._thread.start()
 
     def subscribe(self, response_id: str) -> Subscription:
         sub = Subscription(self, response_id)
+        name = channel(response_id)
         with self._lock:
             first = not self._subs[response_id]
             self._subs[response_id].add(sub)
-            if self.client is not None:
-                self._ensure_thread()
-                if first:
-                    self._redis_call(lambda ps: ps.subscribe(channel(response_id)))
+            if first and self.connected:
+                self._send(lambda ps: ps.subscribe(name))
+            if self.connected:  # nothing published after this returns is missed
+                self._changed.wait_for(lambda: name in self._confirmed or not self.connected, CONFIRM_SECONDS)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -85,126 +97,206 @@ class Hub:
             subs.discard(sub)
             if not subs:
                 del self._subs[sub.response_id]
-                if self.client is not None:
-                    self._redis_call(lambda ps: ps.unsubscribe(channel(sub.response_id)))
+                self._confirmed.discard(channel(sub.response_id))
+                if self.connected:
+                    self._send(lambda ps: ps.unsubscribe(channel(sub.response_id)))
 
-    def _redis_call(self, fn) -> None:
+    def _send(self, fn) -> None:
         try:
             fn(self._pubsub)
         except (redis.RedisError, OSError, AttributeError):
-            pass  # the listener thread reconnects and resubscribes everything
+            pass  # the listener notices the broken connection and resubscribes everything
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            self._pubsub.subscribe(HUB)
-            self._thread = threading.Thread(target=self._listen, name="lmsp-hub", daemon=True)
-            self._thread.start()
+    def _connect(self) -> None:
+        pubsub = self.client.pubsub()
+        pubsub.subscribe(HUB)
+        with self._lock:
+            channels = [channel(rid) for rid in self._subs]
+            if channels:
+                pubsub.subscribe(*channels)
+            self._pubsub, self.connected = pubsub, True
+            self._wake()  # followers read the log for what they missed, then go live
+        log.info("redis connected; followers are live")
+
+    def _disconnect(self) -> None:
+        with self._lock:
+            pubsub, self._pubsub, self.connected = self._pubsub, None, False
+            self._confirmed.clear()
+            self._wake()
+        log.warning("redis connection lost; followers read the log until it is back")
+        try:
+            pubsub.close()
+        except (redis.RedisError, OSError, AttributeError):
+            pass
+
+    def _wake(self) -> None:
+        self._changed.notify_all()
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.queue.put([])
 
     def _listen(self) -> None:
+        heard = pinged = 0.0
         while True:
+            if not self.connected:
+                try:
+                    self._connect()
+                except (redis.RedisError, OSError):
+                    time.sleep(1.0)
+                    continue
+                heard = pinged = time.monotonic()
             try:
                 message = self._pubsub.get_message(timeout=1.0)
-            except (redis.RedisError, OSError, ValueError):
-                self._reconnect()
+                now = time.monotonic()
+                if now - pinged >= PING_SECONDS:
+                    self._pubsub.ping()
+                    pinged = now
+            except (redis.RedisError, OSError, ValueError, AttributeError):
+                self._disconnect()
                 continue
-            if message is None or message["type"] != "message":
+            if message is None:
+                if now - heard > 3 * PING_SECONDS:
+                    self._disconnect()  # connected but silent: a hung Redis
                 continue
-            response_id = response_of(message["channel"])
-            batch = decode(message["data"])
-            with self._lock:
-                subs = list(self._subs.get(response_id, ()))
-            for sub in subs:
-                sub.queue.put(batch)
-
-    def _reconnect(self) -> None:
-        log.warning("redis connection lost; followers fall back to the log until it is back")
-        time.sleep(0.5)
-        with self._lock:
-            try:
-                self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                self._pubsub.subscribe(HUB, *map(channel, self._subs))
-            except (redis.RedisError, OSError):
-                return
-            for subs in self._subs.values():
+            heard = now
+            kind = message["type"]
+            if kind == "subscribe":
+                with self._lock:
+                    self._confirmed.add(message["channel"].decode())
+                    self._changed.notify_all()
+            elif kind == "message":
+                response_id = response_of(message["channel"])
+                batch = decode(message["data"])
+                with self._lock:
+                    subs = list(self._subs.get(response_id, ()))
                 for sub in subs:
-                    sub.queue.put([])  # wake followers so they read the log for what they missed
+                    sub.queue.put(batch)
 
 
 PAGE = 20000  # events per log read, written to the client in one piece (small pages cost 2x on replays)
+SAFETY_NET_SECONDS = 5.0   # a quiet task follower re-reads the log (then asks ``ended``) this often
+DIRECT_CHECK_SECONDS = 1.0  # a quiet direct stream asks whether its worker died this often
 
 
 def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: float,
-           is_final_in_db=None) -> Iterator[list[Event] | None]:
-    """Yield lists of events with seq > ``after``, in order, the last list ending with the final event;
-    None means "nothing happened for ``heartbeat`` seconds".
+           ended: Callable[[], list[tuple[str, str]] | None],
+           authorized: Callable[[], bool] | None = None,
+           subscription: Subscription | None = None) -> Iterator[list[Event] | None]:
+    """Yield lists of events with seq > ``after``, in order, the last list ending with the final
+    event; None means "nothing happened for ``heartbeat`` seconds". The stream always ends:
 
-    ``logged`` is False for a direct stream whose events exist only in transit;
-    then ``is_final_in_db`` is asked now and then so a worker that died without a
-    final event still ends the stream.
+    * a final event at or before ``after`` ends it with nothing sent;
+    * ``ended()`` is asked when the log has nothing new (a task stream: at once, then every
+      SAFETY_NET_SECONDS; a direct one: every DIRECT_CHECK_SECONDS): None while the response
+      runs, else the events that end the stream
+      (none for a task whose final event is at or before ``after``; a final event for a direct
+      response whose worker died), numbered after the last id sent;
+    * ``authorized()`` is asked every ``stream_auth_recheck_seconds``: False (a revoked token)
+      raises ``unauthorized``.
+
+    ``logged`` is False for a direct stream: its events are in the log only when the worker could
+    not publish them, so it reads the log only while Redis is away or on a gap.
+    ``subscription`` is one the caller opened before dispatching the work (so nothing is missed).
     """
-    last = after
-    with hub.subscribe(response_id) as sub:  # subscribe before reading the log: nothing falls between
-        need_log = logged
-        last_log_read = last_sent = time.monotonic()
+    settings = hub.settings
+    state = {"last": after}
+    sub = subscription or hub.subscribe(response_id)
+
+    def from_log() -> tuple[list[Event], bool]:
+        """Events after ``last`` from the log, and whether the final one is among them."""
+        with hub.sessions() as session:
+            page = eventlog.read(session, response_id, state["last"], limit=PAGE)
+        final = next((i for i, event in enumerate(page) if event[1] in FINAL), None)
+        if final is not None:
+            page = page[:final + 1]
+        if page:
+            state["last"] = page[-1][0]
+        return page, final is not None
+
+    try:
+        need_log = logged  # a direct stream's log is empty unless Redis failed: do not read it for nothing
+        now = time.monotonic()
+        last_log = last_sent = last_auth = now
+        # A resumed task stream asks at once (it may be past its final event); a new direct one
+        # only once it has been quiet a while.
+        every = SAFETY_NET_SECONDS if logged else DIRECT_CHECK_SECONDS
+        last_ended = -every if logged else now
         while True:
-            if need_log:
-                with hub.sessions() as session:
-                    page = eventlog.read(session, response_id, last, limit=PAGE)
-                last_log_read = time.monotonic()
-                need_log = len(page) == PAGE  # a full page: read on
-                if page:
-                    last = page[-1][0]
-                    last_sent = last_log_read
-                    final = _final_index(page)
-                    if final is not None:
-                        yield page[:final + 1]
+            now = time.monotonic()
+            if authorized is not None and now - last_auth >= settings.stream_auth_recheck_seconds:
+                last_auth = now
+                if not authorized():
+                    raise LMSPError("unauthorized", "The token of this stream was revoked")
+            if need_log or not hub.connected:
+                while True:
+                    page, final = from_log()
+                    last_log = time.monotonic()
+                    if page:
+                        last_sent = last_log
+                        yield page
+                    if final:
                         return
-                    yield page
-                if need_log:
-                    continue
-            wait = heartbeat if hub.live else hub.settings.poll_interval_seconds
-            batch = sub.get(timeout=wait)
+                    if len(page) < PAGE:
+                        break
+                need_log = False
+                if not page and now - last_ended >= every:
+                    last_ended = now
+                    closing = ended()
+                    if closing is not None:
+                        page, final = from_log()  # the final event may have landed since the read above
+                        if page:
+                            yield page
+                        if not final and closing:
+                            yield [(state["last"] + 1 + i, name, data) for i, (name, data) in enumerate(closing)]
+                        return
+            batch = sub.get(timeout=heartbeat if hub.connected else settings.poll_interval_seconds)
             now = time.monotonic()
             if batch is None:
                 if now - last_sent >= heartbeat:
                     last_sent = now
                     yield None
-                if not hub.live:
-                    need_log = True  # no notifications without Redis: the log is polled
-                elif logged and now - last_log_read > 5:
-                    need_log = True  # a safety net for lost notifications (Redis restarted mid-stream)
-                elif not logged and is_final_in_db is not None:
-                    final_event = is_final_in_db()
-                    if final_event is not None:
-                        yield [final_event]
-                        return
+                if now - max(last_log, last_ended) >= every:
+                    need_log = True  # nothing in a while: look at the log, then ask whether it ended
                 continue
-            fresh = []
+            if not batch:
+                need_log = True  # the transport changed: the log has what it lost
+                continue
+            fresh, final = [], False
             for event in sorted(batch):
-                if event[0] <= last:
+                if event[0] <= state["last"]:
+                    if event[1] in FINAL:
+                        final = True  # it ended at or before the resume point: nothing more to send
+                        break
                     continue  # already sent from the log
-                if event[0] != last + 1 and logged:
-                    need_log = True  # a gap: the log has what the channel lost
-                    break
+                if event[0] != state["last"] + 1:
+                    page, final = from_log()  # a gap: the log has what the channel lost, if it was logged
+                    fresh += page
+                    if final:
+                        break
+                    if event[0] <= state["last"]:
+                        continue
+                    if logged:
+                        need_log = True  # the log is the truth: wait for it to have the gap
+                        break
+                    # a direct stream's unlogged events are gone: go on in order
                 fresh.append(event)
-                last = event[0]
+                state["last"] = event[0]
                 if event[1] in FINAL:
-                    yield fresh
-                    return
+                    final = True
+                    break
             if fresh:
                 last_sent = now
                 yield fresh
-            if not batch:
-                need_log = logged
+            if final:
+                return
+    finally:
+        sub.close()
 
 
-def stream_failed() -> str:
-    """The SSE ``error`` event that ends a stream the server cannot go on with (logged first)."""
-    log.exception("event stream failed")
-    doc = problem("server_error", "The stream failed; reconnect with Last-Event-ID to continue")
-    return sse(None, ERROR, dumps({"error": doc}))
-
-
-def _final_index(page: list[Event]) -> int | None:
-    return next((i for i, event in enumerate(page) if event[1] in FINAL), None)
+def stream_error(seq: int, doc: dict | None = None) -> str:
+    """The SSE ``error`` event (with id ``seq``) that ends a stream the server cannot go on with;
+    without ``doc``, an unexpected failure, logged here."""
+    if doc is None:
+        log.exception("event stream failed")
+        doc = problem("server_error", "The stream failed; reconnect with Last-Event-ID to continue")
+    return sse(seq, ERROR, dumps({"error": doc}))

@@ -132,6 +132,8 @@ def errors(*extra: tuple, auth: bool = True) -> dict:
     if auth:
         groups[401] = (["unauthorized"], ["Missing, unknown or revoked token."])
         groups[403] = (["insufficient_scope"], ["The token lacks the operation's scope."])
+        groups[429] = (["rate_limited"], ["Too many requests for this principal, or too many bad tokens "
+                                          "from this address."])
     for status, *items in extra:
         codes, notes = groups.setdefault(status, ([], []))
         for item in items:
@@ -207,6 +209,8 @@ def _paths() -> dict:
                       (409, "idempotency_key_in_use"), *BODY_ERRORS, (422, "idempotency_key_reused"),
                       (500, "server_error", "generation_failed", "server_restarted",
                        "A synchronous request whose generation failed answers the response's problem"),
+                      (429, "rate_limited", "Too many open streams (or requests waiting for a model) "
+                       "for this principal or this server"),
                       (503, "model_unavailable", "No live worker serves the model"))},
             description="An Idempotency-Key replays the stored outcome (status and body) of a finished "
                         "synchronous request.",
@@ -259,7 +263,9 @@ def _paths() -> dict:
                      "headers": _headers(),
                      "content": {SSE: _sse("Server-sent events, each with an integer `id` (1, 2, ...), "
                                            "an `event` name and a JSON `data` line")}},
-             **errors((400, "invalid_request", "`after` or Last-Event-ID is not a non-negative integer"),
+             **errors((400, "invalid_request", "unsupported_capability",
+                       "`after` or Last-Event-ID is not a non-negative integer; unsupported_capability: "
+                       "the task's model lacks event_resume"),
                       (404, "task_not_found"), (410, "event_history_expired",
                                                 "Fetch the final result with GET /lmsp/v1/tasks/{task_id}"))},
             params=["TaskId", "After", "LastEventId", "Ticket"])},

@@ -55,3 +55,88 @@ class RateLimiter:
             wait = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
             self.local[principal] = (tokens - 1 if tokens >= 1 else tokens, now)
             return wait
+
+
+class AuthFailures:
+    """Failed lookups of well-formed tokens per client address in this process, per clock minute.
+
+    Past the limit, an address's *unknown* tokens are refused with 429 before any database lookup,
+    so guessing costs the database nothing; a token that authenticated here in the last hour is
+    still looked up (a revocation takes effect at once), so clients that share the address (NAT,
+    a proxy) go on. A malformed token never costs a lookup and is not counted.
+    """
+
+    KNOWN_SECONDS = 3600
+
+    def __init__(self, per_minute: int):
+        self.limit = per_minute
+        self.window = 0
+        self.counts: dict[str, int] = {}
+        self.known: dict[str, float] = {}  # token hash -> when it last authenticated
+        self.lock = threading.Lock()
+
+    def _roll(self, now: float) -> None:
+        window = int(now // 60)
+        if window != self.window:
+            self.window, self.counts = window, {}
+            self.known = {d: t for d, t in self.known.items() if now - t < self.KNOWN_SECONDS}
+
+    def check(self, address: str, digest: str) -> None:
+        now = time.time()
+        with self.lock:
+            self._roll(now)
+            blocked = (self.limit > 0 and self.counts.get(address, 0) >= self.limit
+                       and digest not in self.known)
+        if blocked:
+            wait = max(1, math.ceil(60 - now % 60))
+            raise LMSPError("rate_limited", f"Too many bad tokens from {address}; retry after {wait} s",
+                            retry_after=wait)
+
+    def failed(self, address: str) -> None:
+        with self.lock:
+            self._roll(time.time())
+            self.counts[address] = self.counts.get(address, 0) + 1
+
+    def succeeded(self, digest: str) -> None:
+        with self.lock:
+            self.known[digest] = time.time()
+
+
+class StreamSlots:
+    """Open streams (and other requests that hold a thread while a model generates) in this
+    process: each holds one gthread for its whole life, so the process keeps
+    ``stream_reserved_threads`` back for health probes and short requests, and one principal
+    may hold at most ``max_streams_per_principal`` of the rest."""
+
+    def __init__(self, total: int, per_principal: int):
+        self.total, self.per_principal = max(1, total), max(1, per_principal)
+        self.open = 0
+        self.mine: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def acquire(self, principal: str):
+        """Take a slot or raise 429; return the function that gives it back (safe to call twice)."""
+        with self.lock:
+            if self.open >= self.total:
+                raise LMSPError("rate_limited", f"This server has {self.open} streams open, its limit; "
+                                "retry shortly", retry_after=5)
+            held = self.mine.get(principal, 0)
+            if held >= self.per_principal:
+                raise LMSPError("rate_limited", f"You have {held} streams open on this server, the limit "
+                                f"is {self.per_principal}; close some first", retry_after=5)
+            self.open += 1
+            self.mine[principal] = held + 1
+        released = threading.Event()
+
+        def release() -> None:
+            with self.lock:
+                if released.is_set():
+                    return
+                released.set()
+                self.open -= 1
+                left = self.mine[principal] - 1
+                if left:
+                    self.mine[principal] = left
+                else:
+                    del self.mine[principal]
+        return release

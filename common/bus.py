@@ -39,7 +39,7 @@ def decode(payload: str | bytes) -> list[tuple[int, str, str]]:
 
 class Publisher:
     def __init__(self, redis_url: str):
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5) if redis_url else None
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2) if redis_url else None
 
     @property
     def live(self) -> bool:

@@ -17,9 +17,6 @@ ERROR = "error"
 ATTEMPT_STARTED = "response.attempt.started"
 
 FINAL = frozenset({COMPLETED, INCOMPLETE, FAILED, CANCELLED})
-# The seq of a final event sent by someone other than the stream's writer (its worker died):
-# it sorts after every real event and is sent without an id.
-UNNUMBERED = 1 << 30
 
 
 def dumps(data: dict) -> str:

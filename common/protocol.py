@@ -3,7 +3,8 @@
 Validation errors become ``400 invalid_request`` with ``param`` naming the field.
 """
 
-from typing import Annotated, Literal
+from types import UnionType
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 import jsonschema
 from pydantic import (
@@ -157,17 +158,53 @@ class TaskRequest(Strict):
 
 
 
-def _param(loc: tuple) -> str:
-    out = ""
+def _unwrap(tp):
+    """Annotated[X, ...] -> X and X | None -> X, repeatedly."""
+    while True:
+        if get_origin(tp) is Annotated:
+            tp = get_args(tp)[0]
+            continue
+        if get_origin(tp) in (Union, UnionType):
+            members = [a for a in get_args(tp) if a is not type(None)]
+            if len(members) == 1:
+                tp = members[0]
+                continue
+        return tp
+
+
+def _branch(members: list, label) -> object:
+    """The union member pydantic's ``label`` (a discriminator value or a type name) stands for."""
+    for member in map(_unwrap, members):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            tag = member.model_fields.get("type")
+            if label == member.__name__ or (tag is not None and label in get_args(tag.annotation)):
+                return member
+        elif str(label).startswith(f"{getattr(get_origin(member) or member, '__name__', '')}".lower()):
+            return member  # "str", "list[TextPart]", "literal[...]"
+    return None
+
+
+def _param(model: type[BaseModel], loc: tuple) -> str:
+    """pydantic's error location -> ``param``, walking the model's types so union-branch labels
+    (which are not fields) are left out at any depth, and fields are named by their alias."""
+    out, tp = "", model
     for part in loc:
+        tp = _unwrap(tp)
+        if get_origin(tp) in (Union, UnionType):
+            tp = _branch(list(get_args(tp)), part)
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("function_call", "function_call_output", "message", "reasoning", "text",
-                      "json_schema", "str", "list[TextPart]", "function") and out:
-            continue  # pydantic's union-branch labels are not fields
+            tp = get_args(tp)[0] if get_origin(tp) is list else None
+            continue
+        name = str(part)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = next((f for key, f in tp.model_fields.items() if name in (key, f.alias)), None)
+            tp = field.annotation if field is not None else None
         else:
-            out += ("." if out else "") + str(part)
-    return out.replace("schema_", "schema")
+            tp = None
+        out += ("." if out else "") + name
+    return out
 
 
 def parse(model: type[BaseModel], body) -> BaseModel:
@@ -176,5 +213,5 @@ def parse(model: type[BaseModel], body) -> BaseModel:
     except ValidationError as exc:
         # The deepest error names the field the client got wrong, not a union branch.
         err = max(exc.errors(), key=lambda e: len(e["loc"]))
-        param = _param(err["loc"])
+        param = _param(model, err["loc"])
         raise LMSPError("invalid_request", f"{param or 'body'}: {err['msg']}", param=param or None) from None

@@ -50,6 +50,18 @@ class Settings(BaseSettings):
     rate_limit_burst: int = 100
     max_queued_tasks_per_principal: int = 1000
     max_queue_depth: int = 10000
+    # Open streams and other long requests (SSE, WebSocket, direct responses): one api thread each.
+    stream_reserved_threads: int = 16   # per process, kept for health probes and short requests
+    max_streams_per_principal: int = 32  # per process
+    stream_auth_recheck_seconds: float = 5.0  # how often an open stream checks its token is not revoked
+    ws_ping_seconds: float = 10.0        # a WebSocket client that misses a pong for this long is dropped
+    auth_failures_per_minute: int = 30   # bad tokens per client address before 429 (no database lookup)
+    idempotency_heartbeat_seconds: float = 10.0  # an in-flight key unrefreshed for 3 beats is abandoned
+    # Structured-output grammars (the constrained-decoding compile budget).
+    grammar_max_nodes: int = 4096        # JSON values in the schema
+    grammar_max_depth: int = 24          # JSON nesting within the schema
+    grammar_max_alternatives: int = 256  # anyOf/oneOf branches, a nested one counted once per enclosing branch
+    grammar_compile_timeout_seconds: float = 5.0
     # Server.
     host: str = "127.0.0.1"
     port: int = 8080

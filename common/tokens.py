@@ -2,6 +2,7 @@
 
 import hashlib
 import hmac
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ SCOPES = ("models:read", "responses:write", "responses:read", "tasks:write", "ta
 DEFAULT_SCOPES = tuple(s for s in SCOPES if s != "admin")
 RESERVED_SCOPES = ("tools:execute",)  # reserved by spec 6.5/10.3: never granted in 1.0
 TOKEN_PREFIX = "lmsp_"
+_SHAPE = re.compile(r"lmsp_[A-Za-z0-9_-]{43}")  # what create_token makes: 32 random bytes, base64url
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,11 @@ def create_token(session: Session, principal: str, scopes: tuple[str, ...], name
     return token_id, secret
 
 
+def well_formed(secret: str) -> bool:
+    """Whether ``secret`` could be a token at all: anything else is refused without a lookup."""
+    return _SHAPE.fullmatch(secret) is not None
+
+
 def authenticate(session: Session, secret: str) -> Identity | None:
     digest = hash_secret(secret)
     row = session.execute(select(ApiToken).where(ApiToken.token_hash == digest)).scalar_one_or_none()
@@ -64,6 +71,12 @@ def authenticate(session: Session, secret: str) -> Identity | None:
     if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
         return None
     return Identity(row.id, row.principal_id, frozenset(row.scopes.split()))
+
+
+def is_active(session: Session, token_id: str) -> bool:
+    """Still valid (not revoked, not deleted): open streams ask this now and then."""
+    row = session.get(ApiToken, token_id)
+    return row is not None and row.revoked_at is None
 
 
 def list_tokens(session: Session) -> list[ApiToken]:

@@ -138,7 +138,8 @@ class Task(Shape):
     created_at: UnixSeconds
     updated_at: UnixSeconds
     response_id: str
-    events_url: str = Field(examples=[f"{API}/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events"])
+    events_url: Absent = Field(None, description="Present when the task's model offers event_resume",
+                               examples=[f"{API}/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events"])
     on_restart: OnRestart
     response: Response | None = Field(description="The response once status is succeeded")
     error: Problem | None = Field(description="A problem when status is failed")

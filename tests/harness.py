@@ -121,7 +121,8 @@ class Stack:
     def start_api(self, workers: int = 1, threads: int = 64, port: int | None = None, **env) -> str:
         """The api as `lmsp serve` launches it, on ``port`` (a free one by default)."""
         port = port or free_port()
-        self.spawn(api_argv(port, workers, threads), f"api-{port}.log", **env)
+        self.spawn(api_argv(port, workers, threads), f"api-{port}.log",
+                   **{"LMSP_API_THREADS": str(threads), **env})  # its stream slots
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while time.time() < deadline:

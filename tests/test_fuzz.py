@@ -4,7 +4,10 @@ No 500, no error that is not a problem document, no response that breaks the sch
 valid (positive) and invalid (negative) requests are generated for every operation.
 """
 
+import json
+
 import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
@@ -60,3 +63,47 @@ def test_api_conforms(api_schema, fuzz_token, mode):
         run()
         seen.append(f"{operation.method.upper()} {operation.path}")
     assert len(seen) >= 11, seen  # every documented HTTP operation
+
+
+def _poison(value, bad: str):
+    if isinstance(value, str):
+        return value + bad
+    if isinstance(value, dict):
+        return {k: _poison(v, bad) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_poison(v, bad) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("bad", ["\x00", "\ud800"], ids=["nul", "lone-surrogate"])
+def test_bad_strings_in_any_body_are_400_naming_the_param(api, api_schema, fuzz_token, bad):
+    """Schema-valid bodies with a NUL or a lone surrogate appended to every string: always a 400
+    invalid_request problem with a param (never a 500, never accepted)."""
+    seen = []
+    for operation in operations(api_schema):
+        if operation.method.upper() != "POST" or not operation.body:
+            continue
+
+        @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE))
+        @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def run(case):
+            if not isinstance(case.body, dict) or _poison(case.body, "") == _poison(case.body, "x"):
+                return  # no string to poison
+            # Sent as JSON text with \u escapes: no client encodes a lone surrogate as UTF-8.
+            response = requests.post(api + case.formatted_path, data=json.dumps(_poison(case.body, bad)),
+                                     timeout=60, headers={"Authorization": f"Bearer {fuzz_token}",
+                                                          "Content-Type": "application/json"})
+            doc = response.json()
+            assert response.status_code == 400 and doc["code"] == "invalid_request" and doc.get("param"), doc
+
+        run()
+        seen.append(operation.path)
+    assert seen
+
+
+@pytest.mark.parametrize("after", ["²", "٣", "-1", "1.0", "0x7"])
+def test_bad_event_ids_are_400(api, fuzz_token, after):
+    for headers, params in (({}, {"after": after}), ({"Last-Event-ID": after.encode()}, {})):
+        resp = requests.get(f"{api}/lmsp/v1/tasks/task_x/events", params=params, timeout=30,
+                            headers={"Authorization": f"Bearer {fuzz_token}", **headers})
+        assert resp.status_code == 400 and resp.json()["param"] in ("after", "Last-Event-ID"), resp.text

@@ -62,10 +62,10 @@ def test_body_limits(alice, stack):
         node = node["a"]
     problem(alice.post("/lmsp/v1/tasks", task_body(stack.fault_model, extensions=deep)), 400, "invalid_request")
     many = {"type": "response", "input": {"model": stack.fault_model, "input": user("x") * 1025}}
-    assert problem(alice.post("/lmsp/v1/tasks", many), 400, "invalid_request")["param"] == "input"
+    assert problem(alice.post("/lmsp/v1/tasks", many), 400, "invalid_request")["param"] == "input.input"
     tools = [{"type": "function", "name": f"t{i}", "parameters": {"type": "object"}} for i in range(129)]
     assert problem(alice.post("/lmsp/v1/tasks", task_body(stack.fault_model, tools=tools)), 400,
-                   "invalid_request")["param"] == "tools"
+                   "invalid_request")["param"] == "input.tools"
     long_text = {"type": "response", "input": {"model": stack.fault_model, "input": user("a" * 600_000)}}
     problem(alice.post("/lmsp/v1/tasks", long_text), 400, "invalid_request")
     too_many_tokens = task_body(stack.fault_model, max_output_tokens=5000)

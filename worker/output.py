@@ -31,6 +31,7 @@ class OutputBuilder:
 
     # -- feeding -------------------------------------------------------------------
     def feed(self, text: str) -> Emitted:
+        text = text.replace("\x00", "\ufffd")  # a model may emit NUL; Postgres JSONB cannot store it
         self.raw += text
         if self.buffer is not None:
             self.buffer += text

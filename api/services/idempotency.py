@@ -2,7 +2,9 @@
 
 import hashlib
 import json
+import logging
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -13,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from common.errors import LMSPError
 from common.tables import IdempotencyRecord
 
+log = logging.getLogger("lmsp.idempotency")
 _KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
-STALE_SECONDS = 15 * 60  # an in-flight record this old belongs to a request that died
 
 
 @dataclass
@@ -61,34 +63,85 @@ def record_for_insert(key: Key, *, status_code=None, body=None, task_id=None) ->
                              task_id=task_id, created_at=time.time())
 
 
-def begin(sessions: sessionmaker[Session], key: Key) -> IdempotencyRecord | None:
-    """Claim the key for a long request; return a finished record to replay instead."""
-    for _ in range(2):
-        with sessions() as session:
-            record = existing(session, key)
-            if record is not None:
-                if record.status_code is None and time.time() - record.created_at > STALE_SECONDS:
-                    session.execute(delete(IdempotencyRecord).where(*key.where()))
+class Claims:
+    """Keys claimed by long requests running in this process (POST /responses).
+
+    A claim is as alive as its request: while the request runs, a heartbeat here refreshes
+    the record's ``created_at`` every ``beat`` seconds; a record not refreshed for three beats
+    belongs to a request whose process died, and a retry may take it over. A request that ends
+    without an outcome (dropped, failed) gives its key back at once (``abandon``).
+    """
+
+    def __init__(self, sessions: sessionmaker[Session], beat: float):
+        self.sessions, self.beat = sessions, beat
+        self.live: set[tuple] = set()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def begin(self, key: Key) -> IdempotencyRecord | None:
+        """Claim the key; return a finished record to replay instead."""
+        for _ in range(2):
+            with self.sessions() as session:
+                record = existing(session, key)
+                if record is not None:
+                    if record.status_code is None and time.time() - record.created_at > 3 * self.beat:
+                        session.execute(delete(IdempotencyRecord).where(
+                            *key.where(), IdempotencyRecord.created_at == record.created_at))
+                        session.commit()
+                        continue
+                    return check_replay(record, key)
+                session.add(record_for_insert(key))
+                try:
                     session.commit()
+                except IntegrityError:
+                    session.rollback()  # someone else claimed it first: look again
                     continue
-                return check_replay(record, key)
-            session.add(record_for_insert(key))
+            with self.lock:
+                self.live.add(_ident(key))
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._beat, name="lmsp-idempotency", daemon=True)
+                    self.thread.start()
+            return None
+        raise LMSPError("idempotency_key_in_use", "This Idempotency-Key is being processed", retry_after=1)
+
+    def finish(self, key: Key, status_code: int, body: str) -> None:
+        with self.sessions() as session:
+            session.execute(update(IdempotencyRecord).where(*key.where())
+                            .values(status_code=status_code, body=body, created_at=time.time()))
+            session.commit()
+        self._drop(key)
+
+    def abandon(self, key: Key) -> None:
+        """The request ended without an outcome worth replaying (e.g. a dropped stream, a failure)."""
+        self._drop(key)
+        with self.sessions() as session:
+            session.execute(delete(IdempotencyRecord).where(*key.where(),
+                                                            IdempotencyRecord.status_code.is_(None)))
+            session.commit()
+
+    def _drop(self, key: Key) -> None:
+        with self.lock:
+            self.live.discard(_ident(key))
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(self.beat)
+            with self.lock:
+                keys = list(self.live)
+            if not keys:
+                continue
             try:
-                session.commit()
-                return None
-            except IntegrityError:
-                session.rollback()  # someone else claimed it first: look again
-    raise LMSPError("idempotency_key_in_use", "This Idempotency-Key is being processed", retry_after=1)
+                with self.sessions() as session:
+                    now = time.time()
+                    for principal, method, path, name in keys:
+                        session.execute(update(IdempotencyRecord).where(
+                            IdempotencyRecord.principal_id == principal, IdempotencyRecord.method == method,
+                            IdempotencyRecord.path == path, IdempotencyRecord.key == name,
+                            IdempotencyRecord.status_code.is_(None)).values(created_at=now))
+                    session.commit()
+            except Exception:  # noqa: BLE001 - try again next beat; the database may be back
+                log.exception("idempotency heartbeat failed")
 
 
-def finish(sessions: sessionmaker[Session], key: Key, status_code: int, body: str) -> None:
-    with sessions() as session:
-        session.execute(update(IdempotencyRecord).where(*key.where()).values(status_code=status_code, body=body))
-        session.commit()
-
-
-def abandon(sessions: sessionmaker[Session], key: Key) -> None:
-    """The request ended without an outcome worth replaying (e.g. a dropped stream)."""
-    with sessions() as session:
-        session.execute(delete(IdempotencyRecord).where(*key.where(), IdempotencyRecord.status_code.is_(None)))
-        session.commit()
+def _ident(key: Key) -> tuple:
+    return key.principal, key.method, key.path, key.key

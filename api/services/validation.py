@@ -5,10 +5,11 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.grammar import check_budget
 from common.errors import LMSPError
-from common.prompt import count_tokens, load_tokenizer, render
+from common.prompt import count_tokens, load_tokenizer, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest, parse
-from common.registry import ModelSpec, Registry
+from common.registry import ModelSpec
 from common.tables import Response
 
 
@@ -26,9 +27,12 @@ def _capability(spec: ModelSpec, name: str, what: str) -> None:
                         f"(capability {name})", param=name)
 
 
-def prepare(session: Session, registry: Registry, principal: str, body) -> Prepared:
+def prepare(session: Session, svc, principal: str, body) -> Prepared:
+    """``svc``: the api's Services (its registry and grammar gate)."""
     req = parse(ResponseRequest, body)
-    spec = registry.get(req.model)
+    spec = svc.registry.get(req.model)
+    if req.stream:
+        _capability(spec, "streaming", "stream: true")
     if req.tools and (req.tool_choice or "auto") != "none":
         _capability(spec, "tools", "tools")
     if req.tool_choice is not None and not isinstance(req.tool_choice, str):
@@ -39,6 +43,11 @@ def prepare(session: Session, registry: Registry, principal: str, body) -> Prepa
         raise LMSPError("invalid_request", "tool_choice is required but tools is empty", param="tool_choice")
     if req.json_schema is not None:
         _capability(spec, "structured_output", "response_format json_schema")
+    for i, tool in enumerate(req.tools or []):  # the grammar's size limits, cheap: before the rest
+        check_budget(tool.parameters, f"tools[{i}].parameters", svc.settings)
+    constraint = _constraint(req)
+    if constraint is not None:
+        check_budget(*constraint, svc.settings)
     if req.previous_response_id:
         _capability(spec, "conversations", "previous_response_id")
         req = _continue(session, principal, req)
@@ -56,7 +65,21 @@ def prepare(session: Session, registry: Registry, principal: str, body) -> Prepa
         raise LMSPError("context_length_exceeded", f"The input is {input_tokens} tokens; model "
                         f"{spec.id} has a context window of {spec.context_window}", param="input")
     max_tokens = min(req.max_output_tokens or spec.max_output_tokens, spec.max_output_tokens, room)
+    if constraint is not None:  # the grammar backend's own compile: the costliest check, so the last
+        svc.grammars.check(*constraint, spec.checkpoint)
     return Prepared(req, spec, input_tokens, max_tokens)
+
+
+def _constraint(req: ResponseRequest) -> tuple[dict, str] | None:
+    """The schema generation will be constrained to (the same the worker uses), and its param."""
+    schema = tool_call_schema(req)
+    if schema is not None:
+        mode = tool_mode(req)
+        index = next((i for i, t in enumerate(req.tools) if t.name == mode), None)
+        return schema, "tools" if index is None else f"tools[{index}].parameters"
+    if req.json_schema is not None:
+        return req.json_schema, "response_format.json_schema.schema"
+    return None
 
 
 def _continue(session: Session, principal: str, req: ResponseRequest) -> ResponseRequest:

@@ -5,7 +5,7 @@ Celery messages are sent only after the transaction commits. Statuses and
 events are written by ``common.lifecycle`` only.
 """
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, or_, select, text
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
@@ -34,13 +34,17 @@ def ensure_available(svc: Services, session: Session, model_id: str) -> None:
                         "or submit a task, which waits in the queue", retry_after=10)
 
 
-def create_direct(svc: Services, principal: str, prepared: Prepared) -> str:
+def create_direct(svc: Services, principal: str, prepared: Prepared, before_dispatch=None) -> str:
+    """``before_dispatch(response_id)`` runs between the commit and the dispatch: the caller
+    subscribes to the response's events there, so it misses none of them."""
     with svc.sessions() as session:
         ensure_available(svc, session, prepared.spec.id)
         # Without capability conversations, store is ignored (6.1).
         stored = prepared.request.store and prepared.spec.public_capabilities()["conversations"]
         row = lifecycle.create_direct(session, _response_row(prepared, principal, R.QUEUED, stored))
         session.commit()
+    if before_dispatch is not None:
+        before_dispatch(row.id)
     interactive_wire.send(svc.celery, prepared.spec.interactive_queue, row.id)
     return row.id
 
@@ -53,18 +57,24 @@ def abort_direct(svc: Services, response_id: str) -> None:
     svc.publisher.abort(response_id)
 
 
-def final_from_row(svc: Services, response_id: str):
-    """The final event of a direct response whose stream lost it (its worker died)."""
+def final_from_row(svc: Services, response_id: str) -> tuple[str, str] | None:
+    """(name, data) of the final event of a direct response whose stream lost it (its worker died);
+    the follower numbers it after the last event it sent."""
     with svc.sessions() as session:
         row = session.get(Response, response_id)
     if row is None or row.status in (R.QUEUED, R.IN_PROGRESS):
         return None
     name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                               incomplete_details=row.incomplete_details)
-    return (events.UNNUMBERED, name, dumps(data))
+    return name, dumps(data)
 
 
 def check_task_limits(svc: Services, session: Session, principal: str, prepared: Prepared) -> None:
+    # Count and insert under transaction-scoped advisory locks (the principal's and the model's,
+    # always in one order: no deadlock), so concurrent POSTs cannot all see room and overshoot.
+    if session.get_bind().dialect.name == "postgresql":
+        for name in sorted((f"principal:{principal}", f"model:{prepared.spec.id}")):
+            session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
     # One round trip for both limits: this runs on every POST /tasks.
     mine, total = session.execute(
         select(func.count().filter(Task.principal_id == principal), func.count().filter(Task.model == prepared.spec.id))
@@ -98,9 +108,13 @@ def get_task(session: Session, principal: str, task_id: str) -> Task:
     return lifecycle.require_task(session, principal, task_id)
 
 
-def task_view(session: Session, task: Task) -> dict:
-    response = session.get(Response, task.response_id) if task.status == SUCCEEDED else None
-    return task_object(task, response)
+def task_view(session: Session, task: Task, registry) -> dict:
+    return task_doc(task, session.get(Response, task.response_id) if task.status == SUCCEEDED else None, registry)
+
+
+def task_doc(task: Task, response: Response | None, registry) -> dict:
+    spec = registry.models.get(task.model)  # a model since removed keeps its events readable
+    return task_object(task, response, event_resume=spec is None or spec.public_capabilities()["event_resume"])
 
 
 def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
@@ -116,7 +130,7 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
         task = get_task(session, principal, task_id)
         if task.status in (SUCCEEDED, FAILED):  # it finished while we tried
             raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
-        return task_view(session, task)
+        return task_view(session, task, svc.registry)
 
 
 def stored_response(session: Session, principal: str, response_id: str) -> dict:

@@ -1,36 +1,41 @@
 """Following a task's events over SSE (7.4) or WebSocket, resumable with after / Last-Event-ID."""
 
+import logging
+import re
 import time
 
 from flask import Blueprint, Response, g, request, stream_with_context
-from flask_sock import Sock
+from flask_sock import ConnectionClosed, Sock
 
-from api.auth import check_scope, principal, require
+from api.auth import check_scope, hold_stream, principal, require, still_authorized, streamed
 from api.extensions import services
-from api.live import follow, stream_failed
+from api.live import follow, stream_error
 from api.services.work import get_task
 from common import events
 from common.errors import LMSPError
 from common.states import TERMINAL
+from common.tables import Task
 
+log = logging.getLogger("lmsp.events")
 bp = Blueprint("events", __name__, url_prefix="/lmsp/v1/tasks")
 sock = Sock()
+_EVENT_ID = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() admits "²", which int() refuses
 
 
 def _after() -> int:
-    raw = request.args.get("after")
-    param = "after"
+    """The one place that reads the resume point: ``after`` wins over ``Last-Event-ID`` (6.4)."""
+    raw, param = request.args.get("after"), "after"
     if not raw:
         raw, param = request.headers.get("Last-Event-ID"), "Last-Event-ID"
     if raw is None or raw == "":
         return 0
-    if not raw.isdigit() or len(raw) > 12:
+    if not _EVENT_ID.fullmatch(raw):
         raise LMSPError("invalid_request", f"{param} must be a non-negative integer event id", param=param)
     return int(raw)
 
 
-def _open(task_id: str) -> tuple[str, int]:
-    """Check access and retention; return (response id, after)."""
+def _open(task_id: str) -> tuple[str, str, int]:
+    """Check access, capability and retention; take a stream slot; return (task id, response id, after)."""
     svc = services()
     after = _after()
     with svc.sessions() as session:
@@ -38,31 +43,54 @@ def _open(task_id: str) -> tuple[str, int]:
         expired = task.events_expired or (
             task.status in TERMINAL and task.ended_at is not None
             and time.time() - task.ended_at > svc.settings.event_retention_seconds)
+    spec = svc.registry.models.get(task.model)
+    if spec is not None and not spec.public_capabilities()["event_resume"]:
+        raise LMSPError("unsupported_capability", f"Model {task.model} does not offer event streams "
+                        f"(capability event_resume); GET /lmsp/v1/tasks/{task_id} has the result")
     if expired:
         raise LMSPError("event_history_expired", f"The events of task {task_id} are past their retention; "
                         f"GET /lmsp/v1/tasks/{task_id} has the final result")
-    return task.response_id, after
+    hold_stream()
+    return task.id, task.response_id, after
 
 
-def _follow(response_id: str, after: int):
+def _follow(task_id: str, response_id: str, after: int):
     svc = services()
-    return follow(svc.hub, response_id, after, logged=True, heartbeat=svc.settings.sse_heartbeat_seconds)
+
+    def ended():
+        """A finished task whose log has nothing after ``after`` ends the stream with no event."""
+        with svc.sessions() as session:
+            task = session.get(Task, task_id)
+        return [] if task is None or task.status in TERMINAL else None  # None: purged meanwhile
+
+    return follow(svc.hub, response_id, after, logged=True, heartbeat=svc.settings.sse_heartbeat_seconds,
+                  ended=ended, authorized=still_authorized())
 
 
 @bp.get("/<task_id>/events")
 @require("tasks:read")
 def sse(task_id: str):
-    response_id, after = _open(task_id)
+    task_id, response_id, after = _open(task_id)
+    batches = _follow(task_id, response_id, after)
 
     def body():
+        last = after
         try:
-            for batch in _follow(response_id, after):
-                yield ": keep-alive\n\n" if batch is None else "".join(events.sse(*event) for event in batch)
+            for batch in batches:
+                if batch is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                yield "".join(events.sse(*event) for event in batch)
+                last = batch[-1][0]
+        except LMSPError as exc:  # the token was revoked
+            yield stream_error(last, exc.to_problem(instance=request.path))
         except Exception:  # noqa: BLE001 - end with an error event, never half a line
-            yield stream_failed()
+            yield stream_error(last)  # the id to resume from: a client reconnecting misses nothing
+        finally:
+            batches.close()
 
-    return Response(stream_with_context(body()), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return streamed(Response(stream_with_context(body()), mimetype="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
 
 
 @bp.before_request
@@ -76,8 +104,22 @@ def _ws_preflight():
 
 @sock.route("/<task_id>/ws", bp=bp)
 def ws(socket, task_id: str):
-    response_id, after = g.ws_target
-    for batch in _follow(response_id, after):
-        for event in batch or ():
-            socket.send(events.ws_frame(*event))
+    batches = _follow(*g.ws_target)
+    try:
+        for batch in batches:
+            if not socket.connected:
+                return  # the client left (or missed its pongs): free the thread
+            for event in batch or ():
+                socket.send(events.ws_frame(*event))
+    except LMSPError as exc:
+        socket.close(reason=1008, message=exc.detail)  # policy violation: the token was revoked
+        return
+    except ConnectionClosed:
+        return
+    except Exception:  # noqa: BLE001 - close with "internal error": the client resumes with after
+        log.exception("websocket stream failed")
+        socket.close(reason=1011, message="the stream failed; reconnect with after to continue")
+        return
+    finally:
+        batches.close()
     socket.close(reason=1000, message="final event sent")

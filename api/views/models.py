@@ -13,8 +13,9 @@ bp = Blueprint("models", __name__, url_prefix=wire.API)
 @require("models:read")
 def discovery():
     models = services().registry.models.values()
-    # The service itself offers every capability but reasoning, which needs a model with a parser.
-    offered = wire.Capabilities(reasoning=any(spec.public_capabilities()["reasoning"] for spec in models))
+    # What at least one served model offers (spec 8: never advertise what none can do).
+    offered = wire.Capabilities(**{name: any(spec.public_capabilities()[name] for spec in models)
+                                   for name in wire.Capabilities.model_fields})
     return wire.Discovery(capabilities=offered, models=sorted(spec.id for spec in models)).wire()
 
 

@@ -2,15 +2,14 @@ import json
 
 from flask import Blueprint, Response, request, stream_with_context
 
-from api.auth import principal, require
+from api.auth import hold_stream, principal, require, streamed
 from api.body import json_body
 from api.extensions import services
-from api.live import follow, stream_failed
+from api.live import follow, stream_error
 from api.services import idempotency
 from api.services.validation import prepare
 from api.services.work import abort_direct, create_direct, final_from_row, response_json, stored_response
 from common import events
-from common.errors import LMSPError
 
 bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
 
@@ -23,29 +22,43 @@ def create():
     who = principal()
     key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path, body)
     with svc.sessions() as session:
-        prepared = prepare(session, svc.registry, who, body)
+        prepared = prepare(session, svc, who, body)
+    hold_stream()  # the request holds this thread while the model generates
     if key is not None:
-        done = idempotency.begin(svc.sessions, key)
+        done = svc.claims.begin(key)
         if done is not None:
             return Response(done.body, status=done.status_code,
                             mimetype="application/json" if done.status_code < 400 else "application/problem+json")
+    subscription = None
+
+    def subscribe(response_id: str) -> None:
+        nonlocal subscription  # before the dispatch: the first event cannot be published to nobody
+        subscription = svc.hub.subscribe(response_id)
+
     try:
-        response_id = create_direct(svc, who, prepared)
-    except LMSPError:
+        response_id = create_direct(svc, who, prepared, before_dispatch=subscribe)
+    except BaseException:
+        if subscription is not None:
+            subscription.close()
         if key is not None:
-            idempotency.abandon(svc.sessions, key)
+            svc.claims.abandon(key)  # whatever went wrong, the key is free again at once
         raise
+    events_ = _events(svc, response_id, subscription)
     if prepared.request.stream:
-        return Response(stream_with_context(_stream(svc, response_id, key)), mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return _wait(svc, response_id, key)
+        return streamed(Response(stream_with_context(_stream(svc, response_id, key, events_)),
+                                 mimetype="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
+    return _wait(svc, response_id, key, events_)
 
 
-def _events(svc, response_id):
+def _events(svc, response_id, subscription):
     """The direct stream's events one by one; None for a heartbeat."""
-    for batch in follow(svc.hub, response_id, 0, logged=not svc.hub.live,
-                        heartbeat=svc.settings.sse_heartbeat_seconds,
-                        is_final_in_db=lambda: final_from_row(svc, response_id)):
+    def ended():
+        final = final_from_row(svc, response_id)  # its worker died without a final event
+        return None if final is None else [final]
+
+    for batch in follow(svc.hub, response_id, 0, logged=False, heartbeat=svc.settings.sse_heartbeat_seconds,
+                        ended=ended, subscription=subscription):
         yield from (None,) if batch is None else batch
 
 
@@ -57,46 +70,49 @@ def _outcome(svc, response_id, final_name, final_data) -> tuple[int, str]:
         return 200, json.dumps(response_json(session, response_id))
 
 
-def _wait(svc, response_id, key):
+def _wait(svc, response_id, key, events_):
     finished = False
     try:
-        for event in _events(svc, response_id):
+        for event in events_:
             if event is not None and event[1] in events.FINAL:
-                finished = True
                 status, body = _outcome(svc, response_id, event[1], event[2])
                 if key is not None:
-                    idempotency.finish(svc.sessions, key, status, body)
+                    svc.claims.finish(key, status, body)
+                finished = True
                 mimetype = "application/json" if status < 400 else "application/problem+json"
                 return Response(body, status=status, mimetype=mimetype)
     finally:
-        if not finished:
+        events_.close()
+        if not finished:  # the client went away, or the server failed
             abort_direct(svc, response_id)
             if key is not None:
-                idempotency.abandon(svc.sessions, key)
-    raise LMSPError("server_error", "The stream ended without a final event")
+                svc.claims.abandon(key)
+    raise AssertionError("follow() ends only after a final event")
 
 
-def _stream(svc, response_id, key):
+def _stream(svc, response_id, key, events_):
+    last = 0
     finished = False
     try:
-        for event in _events(svc, response_id):
+        for event in events_:
             if event is None:
                 yield ": keep-alive\n\n"  # lets WSGI notice a closed client within a heartbeat
                 continue
-            seq, name, data = event
-            yield events.sse(None if seq == events.UNNUMBERED else seq, name, data)
+            last, name, data = event
+            yield events.sse(last, name, data)
             if name in events.FINAL:
-                finished = True
                 if key is not None:
-                    idempotency.finish(svc.sessions, key, *_outcome(svc, response_id, name, data))
+                    svc.claims.finish(key, *_outcome(svc, response_id, name, data))
+                finished = True
                 return
     except Exception:  # noqa: BLE001 - the stream must end with an event, never half a line
-        yield stream_failed()
+        yield stream_error(last + 1)  # a direct stream is never resumed: the id just goes on
     finally:
+        events_.close()
         if not finished:
             abort_direct(svc, response_id)
             if key is not None:
-                idempotency.abandon(svc.sessions, key)
+                svc.claims.abandon(key)
 
 
 @bp.get("/<response_id>")
@@ -105,4 +121,3 @@ def get(response_id: str):
     svc = services()
     with svc.sessions() as session:
         return stored_response(session, principal(), response_id)
-

@@ -12,11 +12,18 @@ from api.body import json_body
 from api.extensions import services
 from api.services import idempotency, tickets
 from api.services.validation import prepare
-from api.services.work import cancel_task, check_task_limits, get_task, new_task, send_task, task_view
+from api.services.work import (
+    cancel_task,
+    check_task_limits,
+    get_task,
+    new_task,
+    send_task,
+    task_doc,
+    task_view,
+)
 from common.errors import LMSPError
 from common.events import REASONING_DELTA, TEXT_DELTA
 from common.protocol import TaskRequest, parse
-from common.resources import task_object
 from common.states import STATES, SUCCEEDED, TERMINAL
 from common.tables import Response as ResponseRow
 from common.tables import Task
@@ -46,7 +53,7 @@ def create():
         if key is not None and (record := idempotency.existing(session, key)) is not None:
             return _replay(session, who, idempotency.check_replay(record, key))
         try:
-            prepared = prepare(session, svc.registry, who, {**body["input"], "stream": False})
+            prepared = prepare(session, svc, who, {**body["input"], "stream": False})
         except LMSPError as exc:
             exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
             raise
@@ -63,13 +70,13 @@ def create():
             if record is None:
                 raise
             return _replay(session, who, idempotency.check_replay(record, key))
-        doc = task_view(session, task)
+        doc = task_view(session, task, svc.registry)
     send_task(svc, task)
     return _accepted(doc)
 
 
 def _replay(session, who, record) -> Response:
-    return _accepted(task_view(session, get_task(session, who, record.task_id)))
+    return _accepted(task_view(session, get_task(session, who, record.task_id), services().registry))
 
 
 @bp.get("/<task_id>")
@@ -98,7 +105,7 @@ def etag(doc: dict) -> str:
 
 def _read(svc, who: str, task_id: str) -> dict:
     with svc.sessions() as session:
-        return task_view(session, get_task(session, who, task_id))
+        return task_view(session, get_task(session, who, task_id), svc.registry)
 
 
 def _wait_seconds(raw: str | None, cap: int) -> float:
@@ -177,7 +184,7 @@ def list_tasks():
         page = rows[:limit]
         done = [t.response_id for t in page if t.status == SUCCEEDED]
         responses = {r.id: r for r in session.execute(select(ResponseRow).where(ResponseRow.id.in_(done))).scalars()}
-        data = [task_object(t, responses.get(t.response_id)) for t in page]
+        data = [task_doc(t, responses.get(t.response_id), services().registry) for t in page]
     more = len(rows) > limit
     return {"object": "list", "data": data, "has_more": more, "next_cursor": page[-1].id if more else None}
 

@@ -82,3 +82,9 @@ def test_forced_tool_schemas():
     required = ResponseRequest.model_validate({**base, "tool_choice": "required"})
     assert len(tool_call_schema(required)["anyOf"]) == 2
     assert tool_call_schema(ResponseRequest.model_validate(base)) is None
+
+
+def test_a_nul_from_the_model_cannot_fail_the_response():
+    emitted = run(OutputBuilder("resp_1", "text"), ["a\x00", "b"])
+    text = [d["item"] for n, d in emitted if n == events.ITEM_DONE][0]["content"][0]["text"]
+    assert text == "a\ufffdb" and "\\u0000" not in json.dumps(emitted)

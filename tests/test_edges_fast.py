@@ -1,0 +1,357 @@
+"""Issue 14 at the protocol layer, fast: the Flask test client on SQLite, no Redis, no engine.
+
+Bad input answers a problem document and changes nothing; streams end; limits hold. The same
+behaviours against the real stack are in tests/test_edges.py.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+import yaml
+from sqlalchemy import func, select
+
+from api.live import Hub, follow
+from api.ratelimit import StreamSlots
+from api.services.idempotency import Claims, Key
+from common import eventlog, events
+from common.db import upgrade
+from common.errors import LMSPError
+from common.protocol import ResponseRequest, TaskRequest, parse
+from common.settings import Settings
+from common.tables import IdempotencyRecord, Response, Task
+from common.tokens import create_token
+from tests import factories
+from tests.harness import model_entry, user
+
+MODEL = "smollm2:fast"
+PLAIN = "tiny:plain"  # no streaming, no event streams
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    from api import create_app
+
+    tmp = tmp_path_factory.mktemp("edges")
+    models = tmp / "models.yaml"
+    models.write_text(yaml.safe_dump({"models": [
+        model_entry(MODEL),
+        model_entry(PLAIN, capabilities={"streaming": False, "event_resume": False, "tools": False,
+                                         "structured_output": False, "conversations": False,
+                                         "resume_snapshots": False}),
+    ]}))
+    url = f"sqlite:///{tmp / 'lmsp.db'}"
+    upgrade(url)
+    settings = Settings(home=tmp, database_url=url, models_file=models, redis_url="", max_body_bytes=64 * 1024,
+                        auth_failures_per_minute=5, rate_limit_per_second=0)
+    app = create_app(settings)
+    app.testing = True
+    return app
+
+
+@pytest.fixture(scope="module")
+def svc(app):
+    return app.extensions["lmsp"]
+
+
+@pytest.fixture(scope="module")
+def token(svc):
+    with svc.sessions() as session:
+        _, secret = create_token(session, "pat", ("models:read", "responses:write", "responses:read",
+                                                  "tasks:write", "tasks:read", "tasks:cancel"))
+        session.commit()
+    return secret
+
+
+@pytest.fixture
+def client(app, token):
+    c = app.test_client()
+    c.environ_base["HTTP_AUTHORIZATION"] = f"Bearer {token}"
+    return c
+
+
+def rows(svc) -> tuple[int, int, int]:
+    with svc.sessions() as session:
+        return tuple(session.execute(select(func.count()).select_from(t)).scalar()
+                     for t in (Response, Task, IdempotencyRecord))
+
+
+def problem(resp, status, code, param=...):
+    assert resp.status_code == status, resp.get_data(as_text=True)
+    assert resp.mimetype == "application/problem+json"
+    doc = resp.get_json()
+    assert doc["code"] == code and doc["status"] == status and doc["detail"]
+    if param is not ...:
+        assert doc.get("param") == param, doc
+    return doc
+
+
+def raw(client, path, text: str, **headers):
+    return client.post(path, data=text.encode("utf-8", "surrogatepass"), content_type="application/json",
+                       headers=headers)
+
+
+def body(**fields):
+    return {"model": MODEL, "input": user("hi"), **fields}
+
+
+# --- one place that decodes ids and headers ---------------------------------------------------
+
+@pytest.mark.parametrize("after, header, param", [
+    ("²", None, "after"), ("-1", None, "after"), ("1e3", None, "after"), ("٣", None, "after"),
+    ("9" * 13, None, "after"), (None, "²", "Last-Event-ID"), (None, " 1", "Last-Event-ID"),
+])
+def test_bad_event_ids_are_400_naming_the_param(client, svc, after, header, param):
+    with svc.sessions() as session:
+        task = factories.task(session, "succeeded", owner="pat", model=MODEL)
+        session.commit()
+    path = f"/lmsp/v1/tasks/{task.id}/events" + (f"?after={after}" if after is not None else "")
+    headers = {"Last-Event-ID": header} if header is not None else {}
+    problem(client.get(path, headers=headers), 400, "invalid_request", param)
+
+
+# --- bad strings anywhere in the body ----------------------------------------------------------
+
+@pytest.mark.parametrize("path, text, param", [
+    ("/lmsp/v1/responses", '{"model": "m", "input": [{"type": "message", "role": "user", "content": "\\ud800"}]}',
+     "input[0].content"),
+    ("/lmsp/v1/responses", '{"model": "m", "input": [], "extensions": {"x-a": ["ok", "\\udfff!"]}}',
+     "extensions.x-a[1]"),
+    ("/lmsp/v1/responses", '{"model": "m\\u0000", "input": []}', "model"),
+    ("/lmsp/v1/responses", '{"model": "m", "input": [], "extensions": {"x-\\u0000": 1}}', "extensions.x-\x00"),
+    ("/lmsp/v1/tasks", '{"type": "response", "input": {"model": "m", "input": [{"type": "message", '
+     '"role": "user", "content": [{"type": "input_text", "text": "a\\u0000b"}]}]}}',
+     "input.input[0].content[0].text"),
+    ("/lmsp/v1/tasks", '{"type": "response", "input": {"model": "m", "input": [], "tools": '
+     '[{"type": "function", "name": "f", "description": "\\ud83d"}]}}', "input.tools[0].description"),
+])
+def test_nul_and_lone_surrogates_are_400_and_change_nothing(client, svc, path, text, param):
+    before = rows(svc)
+    problem(raw(client, path, text, **{"Idempotency-Key": f"k-{param}"}), 400, "invalid_request", param)
+    assert rows(svc) == before
+
+
+def test_a_pair_of_surrogates_is_just_a_character(client, svc):
+    # "\ud83d\ude00" is one emoji: valid, so the request gets as far as the model (unavailable here).
+    resp = raw(client, "/lmsp/v1/responses", json.dumps(body(input=user("x")))
+               .replace('"x"', '"\\ud83d\\ude00"'))
+    problem(resp, 503, "model_unavailable")
+
+
+def test_body_over_the_limit_is_413_before_authentication(app, svc):
+    with app.test_client() as anonymous:
+        # Declared length only: the check must not need (or read) the body.
+        resp = anonymous.post("/lmsp/v1/responses", data=b"{}", content_type="application/json",
+                              environ_overrides={"CONTENT_LENGTH": str(10 * 1024 * 1024)})
+    problem(resp, 413, "payload_too_large")
+
+
+def test_bad_tokens_are_rate_limited_per_address_without_lookups(app, svc, token, monkeypatch):
+    import api.auth
+    lookups = []
+    real = api.auth.authenticate
+    monkeypatch.setattr(api.auth, "authenticate", lambda session, secret: lookups.append(1) or real(session, secret))
+    svc.auth_failures.counts.clear()
+
+    def get(secret, address="203.0.113.9"):
+        return app.test_client().get("/lmsp/v1/models", headers={"Authorization": f"Bearer {secret}"},
+                                     environ_base={"REMOTE_ADDR": address})
+
+    assert get(token).status_code == 200  # a client of this address that authenticates
+    assert [get("not-a-token").status_code for _ in range(8)] == [401] * 8  # never looked up, not counted
+    assert len(lookups) == 1
+    answers = [get("lmsp_" + "A" * 43) for _ in range(7)]  # well-formed guesses: each a lookup
+    assert [r.status_code for r in answers] == [401] * 5 + [429] * 2
+    problem(answers[-1], 429, "rate_limited")
+    assert int(answers[-1].headers["Retry-After"]) >= 1
+    assert len(lookups) == 1 + 5  # the refused ones cost no lookup
+    assert get(token).status_code == 200  # a known token from the same address is still served
+    assert get("lmsp_" + "A" * 43, "203.0.113.10").status_code == 401  # another address is not punished
+    svc.auth_failures.counts.clear()
+
+
+# --- param names and capabilities ---------------------------------------------------------------
+
+@pytest.mark.parametrize("model, data, param", [
+    (ResponseRequest, body(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (TaskRequest, {"type": "response", "input": body(response_format={"type": "json_schema"})},
+     "input.response_format.json_schema"),
+    (TaskRequest, {"type": "response", "input": body(response_format={"type": "json_schema",
+                                                                     "json_schema": {"name": "x"}})},
+     "input.response_format.json_schema.schema"),
+    (ResponseRequest, body(input=[{"type": "reasoning", "summary": [{"type": "summary_text"}]}]),
+     "input[0].summary[0].text"),
+    (ResponseRequest, body(input=[{"type": "message", "role": "user", "content": [{"type": "input_text"}]}]),
+     "input[0].content[0].text"),
+    (ResponseRequest, body(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input[0].call_id"),
+    (ResponseRequest, body(tool_choice={"type": "function"}), "tool_choice.name"),
+    (ResponseRequest, body(response_format={"type": "text", "text": 1}), "response_format.text"),
+])
+def test_param_names_the_missing_member(model, data, param):
+    with pytest.raises(LMSPError) as err:
+        parse(model, data)
+    assert err.value.param == param
+
+
+def test_streaming_capability_is_enforced(client, svc):
+    before = rows(svc)
+    problem(client.post("/lmsp/v1/responses", json={**body(stream=True), "model": PLAIN}), 400,
+            "unsupported_capability", "streaming")
+    assert rows(svc) == before
+
+
+def test_event_resume_capability_is_enforced(client, svc):
+    task = client.post("/lmsp/v1/tasks", json={"type": "response", "input": {**body(), "model": PLAIN}}).get_json()
+    assert "events_url" not in task
+    problem(client.get(f"/lmsp/v1/tasks/{task['id']}/events"), 400, "unsupported_capability")
+    resumable = client.post("/lmsp/v1/tasks", json={"type": "response", "input": body()}).get_json()
+    assert resumable["events_url"] == f"/lmsp/v1/tasks/{resumable['id']}/events"
+    for t in (task, resumable):
+        client.post(f"/lmsp/v1/tasks/{t['id']}/cancel")
+
+
+def test_discovery_takes_capabilities_from_the_registry(client, svc):
+    caps = client.get("/lmsp/v1").get_json()["capabilities"]
+    union = {name: any(s.public_capabilities()[name] for s in svc.registry.models.values()) for name in caps}
+    assert caps == union and caps["streaming"] and not caps["reasoning"]  # no model has a reasoning parser
+
+
+# --- grammar budget at the door -----------------------------------------------------------------
+
+def _nested(depth: int) -> dict:
+    if depth == 0:
+        return {"type": "string"}
+    inner = _nested(depth - 1)
+    return {"anyOf": [inner, {"type": "array", "items": inner}, {"type": "object", "properties": {"k": inner}}]}
+
+
+def test_grammar_bombs_are_refused_at_the_door(client, svc):
+    before = rows(svc)
+    bomb = body(response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": _nested(6)}})
+    problem(client.post("/lmsp/v1/responses", json=bomb), 400, "invalid_request", "response_format.json_schema.schema")
+    alternatives = {"type": "object", "properties": {"v": {"oneOf": [{"type": "string"}, {"type": "integer"}]}}}
+    tools = [{"type": "function", "name": f"t{i}", "parameters": alternatives} for i in range(128)]
+    problem(client.post("/lmsp/v1/tasks", json={"type": "response", "input": body(tools=tools, tool_choice="required")}),
+            400, "invalid_request", "input.tools")
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2100)}}
+    problem(client.post("/lmsp/v1/responses", json=body(tools=[{"type": "function", "name": "w", "parameters": wide}])),
+            400, "invalid_request", "tools[0].parameters")
+    assert rows(svc) == before
+
+
+def test_a_schema_the_backend_cannot_compile_is_400(client, svc):
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
+    doc = problem(client.post("/lmsp/v1/responses", json=body(
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})),
+        400, "invalid_request", "response_format.json_schema.schema")
+    assert "ookbehind" in doc["detail"]
+    fine = {"type": "object", "properties": {"a": {"type": "string"}}}
+    resp = client.post("/lmsp/v1/responses", json=body(
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": fine}}))
+    problem(resp, 503, "model_unavailable")  # passed the gate (no worker in this test)
+
+
+# --- streams that end ---------------------------------------------------------------------------
+
+def _finished_task(svc, n_events=3):
+    with svc.sessions() as session:
+        task = factories.task(session, "succeeded", owner="pat", model=MODEL)
+        batch = [(1, events.CREATED, events.dumps(events.created(task.response_id)))]
+        batch += [(i, events.TEXT_DELTA, "{}") for i in range(2, n_events)]
+        name, data = events.final(task.response_id, "completed", usage={})
+        batch.append((n_events, name, events.dumps(data)))
+        eventlog.append(session, task.response_id, batch)
+        task.ended_at = time.time()
+        session.commit()
+    return task
+
+
+@pytest.mark.parametrize("resume", ["?after=3", "?after=99", "header"])
+def test_resume_at_or_past_the_final_event_ends_at_once(client, svc, resume):
+    task = _finished_task(svc)
+    path = f"/lmsp/v1/tasks/{task.id}/events" + (resume if resume != "header" else "")
+    start = time.monotonic()
+    resp = client.get(path, headers={"Last-Event-ID": "3"} if resume == "header" else {})
+    assert resp.status_code == 200 and resp.get_data(as_text=True) == ""
+    assert time.monotonic() - start < 1
+    resp.close()
+    assert svc.streams.open == 0  # the stream's slot is back
+
+
+def test_an_open_stream_holds_its_slot_until_the_server_closes_it(client, svc):
+    with svc.sessions() as session:
+        task = factories.task(session, "running", owner="pat", model=MODEL)
+        session.commit()
+    resp = client.get(f"/lmsp/v1/tasks/{task.id}/events", buffered=False)
+    assert resp.status_code == 200 and svc.streams.open == 1  # the view has returned; the body goes on
+    resp.close()  # what the WSGI server does when the client is gone
+    assert svc.streams.open == 0
+
+
+def test_stream_slots_cap_per_principal_and_per_process():
+    slots = StreamSlots(total=3, per_principal=2)
+    a1, _ = slots.acquire("a"), slots.acquire("a")
+    with pytest.raises(LMSPError) as err:
+        slots.acquire("a")
+    assert err.value.code == "rate_limited" and err.value.retry_after
+    slots.acquire("b")
+    with pytest.raises(LMSPError):
+        slots.acquire("c")  # the process is full
+    a1()
+    a1()  # giving back twice frees one slot, not two
+    slots.acquire("c")
+    with pytest.raises(LMSPError):
+        slots.acquire("d")
+
+
+def test_followers_read_the_log_when_redis_is_unreachable(svc):
+    task = _finished_task(svc, n_events=5)
+    settings = svc.settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+    hub = Hub(settings, svc.sessions)
+    start = time.monotonic()
+    got = [e for batch in follow(hub, task.response_id, 2, logged=True, heartbeat=0.5, ended=lambda: [])
+           if batch for e in batch]
+    assert [e[0] for e in got] == [3, 4, 5] and got[-1][1] == events.COMPLETED
+    assert time.monotonic() - start < 2 and not hub.connected
+
+
+def test_a_revoked_token_ends_the_follower(svc):
+    with svc.sessions() as session:
+        task = factories.task(session, "running", owner="pat", model=MODEL)
+        session.commit()
+    settings = svc.settings.model_copy(update={"stream_auth_recheck_seconds": 0.2})
+    hub = Hub(settings, svc.sessions)
+    allowed = threading.Event()
+    allowed.set()
+    threading.Timer(0.5, allowed.clear).start()
+    start = time.monotonic()
+    with pytest.raises(LMSPError) as err:
+        for _ in follow(hub, task.response_id, 0, logged=True, heartbeat=0.1, ended=lambda: None,
+                        authorized=allowed.is_set):
+            pass
+    assert err.value.code == "unauthorized" and time.monotonic() - start < 2
+
+
+# --- idempotency tied to the request's liveness -------------------------------------------------
+
+def test_an_inflight_key_lives_as_long_as_its_request(svc):
+    with svc.sessions() as session:
+        factories.principal(session, "pat")
+        session.commit()
+    claims = Claims(svc.sessions, beat=0.2)
+    key = Key("pat", "POST", "/lmsp/v1/responses", f"live-{time.time()}", "h")
+    assert claims.begin(key) is None
+    time.sleep(1.0)  # five beats: a clock-based stale window would have expired by now
+    other = Claims(svc.sessions, beat=0.2)  # another process retrying with the key
+    with pytest.raises(LMSPError) as err:
+        other.begin(key)
+    assert err.value.code == "idempotency_key_in_use"
+    claims.live.clear()  # the request's process "dies": no more heartbeats
+    time.sleep(0.8)
+    assert other.begin(key) is None  # three beats without a heartbeat: taken over
+    other.abandon(key)
+    assert claims.begin(key) is None  # given back at once
+    claims.finish(key, 200, "{}")
+    assert claims.begin(key).status_code == 200  # a finished key replays
