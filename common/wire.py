@@ -129,8 +129,14 @@ class Response(Shape):
     previous_response_id: str | None
 
 
+def _events_url_optional(schema: dict) -> None:
+    _absent_not_null(schema)
+    schema["required"] = [name for name in schema["required"] if name != "events_url"]
+
+
 class Task(Shape):
     """The task object (spec 7.1)."""
+    model_config = ConfigDict(**Shape.model_config, json_schema_extra=_events_url_optional)
     id: str = Field(examples=["task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC"])
     object: Literal["task"] = "task"
     type: Literal["response"]

@@ -14,7 +14,6 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
 
 # common/protocol.py's _param mistakes union labels for fields and back: it answers response_format.schema
 # and tool_choice.literal['auto','none','required'].
-NAMING_BUG = pytest.mark.xfail(strict=True, reason="param naming of union members (edges, issue 14)")
 
 # (request fields, param): the same request is refused by POST /responses and, inside a task, by POST /tasks.
 INVALID = [
@@ -40,12 +39,12 @@ INVALID = [
     ({"surprise": 1}, "surprise"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     pytest.param({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
-                 "response_format.json_schema.schema", marks=NAMING_BUG),
+                 "response_format.json_schema.schema"),
     pytest.param({"response_format": {"type": "json_schema", "json_schema": {"name": "bad!", "schema": {}}}},
-                 "response_format.json_schema.name", marks=NAMING_BUG),
+                 "response_format.json_schema.name"),
     ({"tools": [{**TOOL, "name": "no spaces"}]}, "tools[0].name"),
     ({"tools": [{**TOOL, "parameters": {"type": "nope"}}]}, "tools[0].parameters"),
-    pytest.param({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", marks=NAMING_BUG),
+    pytest.param({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"previous_response_id": 5}, "previous_response_id"),
@@ -155,9 +154,11 @@ def test_body_and_limits(unit, alice):
         node["a"] = node = {}
     problem(alice.post("/lmsp/v1/tasks", task_body(extensions={"x-deep": deep})), 400, "invalid_request")
     many = task_body(input=user("x") * (settings.max_input_items + 1))
-    assert problem(alice.post("/lmsp/v1/tasks", many), 400, "invalid_request")["param"] == "input"
+    # A task's request sits in the envelope's input: its fields are named from there.
+    assert problem(alice.post("/lmsp/v1/tasks", many), 400, "invalid_request")["param"] == "input.input"
     tools = [{**TOOL, "name": f"t{i}"} for i in range(settings.max_tools + 1)]
-    assert problem(alice.post("/lmsp/v1/tasks", task_body(tools=tools)), 400, "invalid_request")["param"] == "tools"
+    assert problem(alice.post("/lmsp/v1/tasks", task_body(tools=tools)), 400, "invalid_request")["param"] == \
+        "input.tools"
     long_text = task_body(input=user("a" * (settings.max_string_chars + 1)))
     problem(alice.post("/lmsp/v1/tasks", long_text), 400, "invalid_request")
     assert problem(alice.post("/lmsp/v1/tasks", task_body(), headers={"Idempotency-Key": "a b"}), 400,
