@@ -1,6 +1,7 @@
 """The LMSP api: a Flask app factory with one blueprint per resource."""
 
 import logging
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from flask import Flask
@@ -56,4 +57,21 @@ def create_app(settings: Settings | None = None) -> Flask:
     for module in (health, metrics, models, responses, tasks, events, openapi, dashboard):
         app.register_blueprint(module.bp)
     events.sock.init_app(app)
+    _end_streams_on_sigterm(app.extensions["lmsp"].hub)
     return app
+
+
+def _end_streams_on_sigterm(hub) -> None:
+    """gunicorn stops accepting on SIGTERM and waits for open requests; event streams would hold it
+    until its graceful timeout, so they end at once and their clients resume on another process."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        hub.closing.set()
+        if callable(previous):
+            previous(signum, frame)
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        pass  # not the main thread (an app built inside tests): no signals to take

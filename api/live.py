@@ -56,6 +56,10 @@ class Subscription:
         self.close()
 
 
+class ShuttingDown(Exception):
+    """This api process got SIGTERM: a task follower ends so its client resumes on another one."""
+
+
 class Hub:
     """The process's one Redis subscriber. Only the listener thread connects or reconnects, never
     under the lock; (un)subscribe commands go out under the lock on a live connection only, so
@@ -72,6 +76,7 @@ class Hub:
         self._confirmed: set[str] = set()
         self._pubsub = None
         self.connected = False
+        self.closing = threading.Event()  # set on SIGTERM (api/__init__.py)
         self._thread = None
         if self.client is not None:
             self._thread = threading.Thread(target=self._listen, name="lmsp-hub", daemon=True)
@@ -223,6 +228,8 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
         last_ended = -every if logged else now
         while True:
             now = time.monotonic()
+            if logged and hub.closing.is_set():
+                raise ShuttingDown()  # a direct stream cannot move: it runs on within the graceful timeout
             if authorized is not None and now - last_auth >= settings.stream_auth_recheck_seconds:
                 last_auth = now
                 if not authorized():

@@ -9,7 +9,7 @@ from flask_sock import ConnectionClosed, Sock
 
 from api.auth import check_scope, hold_stream, principal, require, still_authorized, streamed
 from api.extensions import services
-from api.live import follow, stream_error
+from api.live import ShuttingDown, follow, stream_error
 from api.services.work import get_task
 from common import events
 from common.errors import LMSPError
@@ -82,6 +82,8 @@ def sse(task_id: str):
                     continue
                 yield "".join(events.sse(*event) for event in batch)
                 last = batch[-1][0]
+        except ShuttingDown:
+            yield ": this server is shutting down; reconnect with Last-Event-ID to continue\n\n"
         except LMSPError as exc:  # the token was revoked
             yield stream_error(last, exc.to_problem(instance=request.path))
         except Exception:  # noqa: BLE001 - end with an error event, never half a line
@@ -111,6 +113,9 @@ def ws(socket, task_id: str):
                 return  # the client left (or missed its pongs): free the thread
             for event in batch or ():
                 socket.send(events.ws_frame(*event))
+    except ShuttingDown:
+        socket.close(reason=1012, message="server restarting; reconnect with after to continue")
+        return
     except LMSPError as exc:
         socket.close(reason=1008, message=exc.detail)  # policy violation: the token was revoked
         return
