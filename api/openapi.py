@@ -78,6 +78,13 @@ PARAMETERS = {
     "Ticket": {"name": "ticket", "in": "query", "required": False,
                "description": "A stream ticket (POST .../events/ticket) instead of the Authorization header",
                "schema": {"type": "string"}},
+    "Wait": {"name": "wait", "in": "query", "required": False,
+             "description": "Long poll: answer when the task differs from If-None-Match (or from the task as it "
+                            "was) or after this many seconds (at most LMSP_MAX_TASK_WAIT_SECONDS)",
+             "schema": {"type": "number", "minimum": 0}},
+    "IfNoneMatch": {"name": "If-None-Match", "in": "header", "required": False,
+                    "description": "The ETag of the task the client has: 304 while it still holds",
+                    "schema": {"type": "string"}},
     "LastEventId": {"name": "Last-Event-ID", "in": "header", "required": False,
                     "description": "The last event id received; used when `after` is absent",
                     "schema": {"type": "string", "pattern": "^[0-9]{0,12}$"}},
@@ -89,6 +96,7 @@ HEADERS = {
     "RetryAfter": {"description": "Seconds to wait before retrying", "schema": {"type": "integer", "minimum": 0}},
     "WWWAuthenticate": {"description": "Bearer challenge", "schema": {"type": "string"}},
     "Location": {"description": "Path of the created task", "schema": {"type": "string"}},
+    "ETag": {"description": "Changes whenever the task does", "schema": {"type": "string"}},
 }
 
 TITLES = {400: "Bad request", 401: "Unauthorized", 403: "Forbidden", 404: "Not found", 409: "Conflict",
@@ -247,9 +255,12 @@ def _paths() -> dict:
                         "seen in flight (no 409).",
             params=["IdempotencyKey"], body="TaskRequest")},
         f"{API}/tasks/{{task_id}}": {"get": operation(
-            "getTask", "A task", "tasks", "tasks:read",
-            {"200": json_response("The task", "Task"), **errors((404, "task_not_found"))},
-            params=["TaskId"])},
+            "getTask", "A task (long poll with wait, conditional with If-None-Match)", "tasks", "tasks:read",
+            {"200": json_response("The task", "Task", "ETag"),
+             "304": {"description": "The task still matches If-None-Match", "headers": _headers("ETag")},
+             **errors((400, "invalid_request", "`wait` is not a number of seconds >= 0"),
+                      (404, "task_not_found"))},
+            params=["TaskId", "Wait", "IfNoneMatch"])},
         f"{API}/tasks/{{task_id}}/cancel": {"post": operation(
             "cancelTask", "Cancel a task (idempotent)", "tasks", "tasks:cancel",
             {"200": json_response("The task in its current state: cancelled, or cancelling until the "
