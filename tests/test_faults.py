@@ -491,3 +491,30 @@ def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pai
     assert "handed on" in worker_log(stack, "pair-a")
     assert worker_log(stack, "pair-b").count("took over") == before  # nobody waited for a lease
     assert engine_pids("pair-a") != [] and pair["pair-a"].poll() is None
+
+
+def test_api_sigterm_ends_task_streams_so_clients_resume_elsewhere(stack, alice, model_id):
+    base = stack.start_api()  # a second api process on the same database, to be rolled
+    proc = stack.procs[-1]
+    task = submit(alice, model_id, ESSAY.format("clay"), max_tokens=200)
+    seen, raw, stopped = [], [], None
+    with alice.http.get(base + task["events_url"], stream=True, timeout=(5, 30)) as resp:
+        def lines():
+            for line in resp.iter_lines(decode_unicode=True):
+                raw.append(line)
+                yield line
+
+        events = iter_sse(lines())
+        for event in events:
+            seen.append(event)
+            if sum(1 for e in seen if e[1] == "response.output_text.delta") == 5:
+                stopped = time.monotonic()
+                os.kill(proc.pid, signal.SIGTERM)  # gunicorn's master: a rolling update of the api
+                break
+        seen.extend(events)  # what it still sends before it closes the stream
+    assert stopped is not None and time.monotonic() - stopped < 5, "the stream outlived the api's SIGTERM"
+    assert any(line.startswith(":") and "shutting down" in line for line in raw)
+    assert not any(e[1] in FINALS for e in seen)  # it ended early, mid-generation
+    rest = alice.sse(task["events_url"], headers={"Last-Event-ID": str(seen[-1][0])})  # on another api
+    check_exactly_once(seen + rest)
+    proc.wait(30)
