@@ -201,7 +201,8 @@ def test_streaming_capability_is_enforced(client, svc):
     assert rows(svc) == before
 
 
-def test_event_resume_capability_is_enforced(client, svc):
+def test_event_resume_capability_is_enforced(client, svc, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # kombu's filesystem transport writes its control files in the cwd
     task = client.post("/lmsp/v1/tasks", json={"type": "response", "input": {**body(), "model": PLAIN}}).get_json()
     assert "events_url" not in task
     problem(client.get(f"/lmsp/v1/tasks/{task['id']}/events"), 400, "unsupported_capability")
@@ -209,6 +210,7 @@ def test_event_resume_capability_is_enforced(client, svc):
     assert resumable["events_url"] == f"/lmsp/v1/tasks/{resumable['id']}/events"
     for t in (task, resumable):
         client.post(f"/lmsp/v1/tasks/{t['id']}/cancel")
+    svc.sender.submit(lambda: None).result()  # the broker messages are sent (here) before the cwd returns
 
 
 def test_discovery_takes_capabilities_from_the_registry(client, svc):
