@@ -45,21 +45,22 @@ class Publisher:
     def live(self) -> bool:
         return self.client is not None
 
-    def publish(self, response_id: str, batch: list[tuple[int, str, str]]) -> None:
-        self.publish_many({response_id: batch})
+    def publish(self, response_id: str, batch: list[tuple[int, str, str]]) -> bool:
+        return self.publish_many({response_id: batch})
 
-    def publish_many(self, batches: dict[str, list[tuple[int, str, str]]]) -> None:
-        """One round trip for every response's batch of a commit cycle."""
+    def publish_many(self, batches: dict[str, list[tuple[int, str, str]]]) -> bool:
+        """One round trip for every response's batch of a commit cycle; False when Redis is away."""
         if self.client is None:
-            return
+            return False
         try:
             pipe = self.client.pipeline(transaction=False)
             for response_id, batch in batches.items():
                 if batch:
                     pipe.publish(channel(response_id), encode(batch))
             pipe.execute()
+            return True
         except redis.RedisError:
-            pass  # followers fall back to the log; Redis is expendable
+            return False  # followers fall back to the log; Redis is expendable
 
     def abort(self, response_id: str) -> None:
         """A hint to workers to stop generating ``response_id``; they also poll the database."""

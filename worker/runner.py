@@ -61,10 +61,11 @@ class Job:
         batch = self.number(emitted)
         if not batch:
             return
+        if not self.logged and not self.ctx.publisher.publish(self.rid, batch):
+            # Redis is away: this direct stream goes on through the log, where its followers look then.
+            self.logged = True
         if self.logged:
             self.ctx.writer.submit(self.attempt, batch)
-        else:
-            self.ctx.publisher.publish(self.rid, batch)
 
     # -- generation ---------------------------------------------------------------------------
     def constrained(self) -> bool:
@@ -108,8 +109,7 @@ class Job:
                             entry.cancelled = True
                             break
                     output_tokens += delta.token_ids
-                    # Postgres refuses NUL in JSON; the model's NUL is noise, shown as U+FFFD.
-                    pending += delta.text.replace("\x00", "\ufffd")
+                    pending += delta.text
                     pending_tokens += delta.token_ids
                     now = time.monotonic()
                     if delta.finish_reason or now - last_flush >= window or pending_tokens >= max_window_tokens:
