@@ -33,8 +33,9 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/lmsp dev
 
+# The layers in order: the api without servers, then the real stack, then the faults (tests/*/).
 test: model browser
-	$(BIN)/pytest tests
+	$(BIN)/pytest tests/unit tests/functional tests/faults
 
 .PHONY: test-unit
 test-unit: model  # the api without an engine, Redis or Postgres (tests/unit): well under a minute

@@ -25,7 +25,7 @@ def model_id():
 def stack(tmp_path_factory, pg_url, model_id):
     tmp = tmp_path_factory.mktemp("stack")
     fault_model = model_id.replace(":t", ":f")
-    pair_model = model_id.replace(":t", ":p")  # two workers of its own (tests/test_faults.py)
+    pair_model = model_id.replace(":t", ":p")  # two workers of its own (tests/faults/test_faults.py)
     s = Stack(tmp, pg_url, models=[
         model_entry(fault_model),
         model_entry(pair_model),

@@ -57,7 +57,7 @@ def test_every_operation_needs_its_scope(unit, method, template, scope):
     doc = problem(_call(unit, caller, method, template, task), 403, "insufficient_scope")
     assert doc["scope"] == scope and scope in doc["detail"]
     if template.endswith("/ws"):
-        return  # the test client has no socket to hand over; tests/test_tasks.py opens real WebSockets
+        return  # the test client has no socket to hand over; tests/functional/test_tasks.py opens real WebSockets
     allowed = unit.as_(f"allowed-{scope}", scope)
     task = allowed.task("queued")
     # Past the scope check (POST /responses then finds no live worker: 503).

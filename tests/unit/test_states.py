@@ -1,5 +1,5 @@
 """The state machine of spec 7.2 on SQLite: every (from, to) pair through the one conditional UPDATE, and
-what the api lets a client do in each state. Races on one row run on Postgres (tests/test_states.py)."""
+what the api lets a client do in each state. Races on one row run on Postgres (tests/functional/test_states.py)."""
 
 import pytest
 from sqlalchemy import select

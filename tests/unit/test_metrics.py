@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests import factories
 from tests.harness import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def samples(text: str) -> dict:

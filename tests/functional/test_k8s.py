@@ -26,7 +26,7 @@ from common.settings import Settings
 from tests.harness import free_port
 from tests.test_metrics import fake_ctx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 KUBERNETES = latest_version()  # the newest schemas kubernetes-validate bundles
 SETTINGS_ENV = {f"LMSP_{name.upper()}" for name in Settings.model_fields}

@@ -1,7 +1,7 @@
 """Issue 14 at the protocol layer, fast: the Flask test client on SQLite, no Redis, no engine.
 
 Bad input answers a problem document and changes nothing; streams end; limits hold. The same
-behaviours against the real stack are in tests/test_edges.py.
+behaviours against the real stack are in tests/functional/test_edges.py.
 """
 
 import json

@@ -14,7 +14,7 @@ from dockerfile_parse import DockerfileParser
 from common.registry import Registry
 from common.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TARGETS = {"cpu": "cpu", "gpu": "gpu"}  # image target: the pyproject extra it installs
 SETTINGS_ENV = {f"LMSP_{name.upper()}" for name in Settings.model_fields}
 

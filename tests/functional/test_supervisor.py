@@ -15,7 +15,7 @@ import yaml
 
 from worker.supervisor import parse_gpus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Crashes on its first two starts on GPU 1; otherwise runs until SIGTERM, which it takes a moment to obey.
 CHILD = """
