@@ -24,7 +24,7 @@ from common.broker import BACKGROUND, dispatch, make_celery
 from common.registry import queue_name
 from common.settings import Settings
 from tests.harness import free_port
-from tests.test_metrics import fake_ctx
+from tests.unit.test_metrics import fake_ctx
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
