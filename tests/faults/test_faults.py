@@ -121,8 +121,16 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
         with alice.stream_post("/lmsp/v1/responses", body) as resp:
             direct.extend(iter_sse(resp.iter_lines(decode_unicode=True)))
 
+    sync: list = []  # a synchronous request on it: its answer must be a problem document, not a hang
+
+    def sync_direct():
+        body = {"model": model, "input": user(ESSAY.format("Mali")), "max_output_tokens": 900}
+        sync.append(alice.post("/lmsp/v1/responses", body))
+
     direct_thread = threading.Thread(target=stream_direct, daemon=True)
     direct_thread.start()
+    sync_thread = threading.Thread(target=sync_direct, daemon=True)
+    sync_thread.start()
     followers = {p: Follower(alice, t) for p, t in {**tasks, "json": constrained}.items()}
     for f in followers.values():
         f.start()
@@ -183,6 +191,10 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
 
     direct_thread.join(120)
     assert direct and direct[-1][1] == "response.failed" and direct[-1][2]["error"]["code"] == "server_restarted"
+    sync_thread.join(120)
+    assert sync and sync[0].status_code == 500, sync and sync[0].text
+    assert sync[0].headers["Content-Type"] == "application/problem+json"
+    assert sync[0].json()["code"] == "server_restarted"
     assert sum(1 for e in direct if e[1] in FINALS) == 1
 
     stack.stop(restarted)  # a clean stop leaves no engine behind either

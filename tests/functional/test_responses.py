@@ -152,19 +152,8 @@ def test_unsupported_capability(alice):
     assert resp.status_code == 400 and resp.json()["code"] == "unsupported_capability"
 
 
-BAD_GRAMMAR = {"type": "json_schema", "json_schema": {
-    "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}},
-                              "required": ["a"]}}}
-
-
-def test_generation_failure_is_a_problem_document(alice, model_id):
-    resp = create(alice, model_id, "Give me JSON.", response_format=BAD_GRAMMAR, max_output_tokens=20)
-    assert resp.status_code == 500, resp.text
-    assert resp.headers["Content-Type"] == "application/problem+json"
-    assert resp.json()["code"] == "generation_failed"
-    _, events = stream(alice, model_id, "Give me JSON.", response_format=BAD_GRAMMAR, max_output_tokens=20)
-    assert events[-1][1] == "response.failed"
-    assert events[-1][2]["error"]["code"] == "generation_failed"
+# A failed generation as a synchronous problem document and as response.failed: tests/faults/test_faults.py
+# (its worker is killed mid-generation). A grammar the backend cannot compile never gets that far (edges).
 
 
 def test_json_schema_output_validates(alice, model_id):
