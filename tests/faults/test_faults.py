@@ -42,6 +42,7 @@ class Follower(threading.Thread):
         super().__init__(daemon=True)
         self.client, self.task, self.every = client, task, every
         self.events: list[tuple[int, str, dict]] = []
+        self.errors: list[tuple[int, str, dict]] = []  # error events: not the response's, they end a connection
         self.reconnects = 0
 
     def run(self):
@@ -53,6 +54,9 @@ class Follower(threading.Thread):
                     if resp.status_code != 200:
                         raise requests.RequestException(resp.status_code)
                     for n, event in enumerate(iter_sse(resp.iter_lines(decode_unicode=True)), 1):
+                        if event[1] == "error":  # the server cannot go on (6.3): resume from its id
+                            self.errors.append(event)
+                            break
                         self.events.append(event)
                         last = event[0]
                         if event[1] in FINALS:
