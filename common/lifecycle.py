@@ -309,6 +309,11 @@ def abort_direct(session: Session, response_id: str) -> bool:
     return respond(session, response_id, R.CANCELLED, only_from=[R.QUEUED, R.IN_PROGRESS])
 
 
+def fail_unclaimed_direct(session: Session, response_id: str, error: dict) -> bool:
+    """A direct response no worker took (none serves its model any more)."""
+    return respond(session, response_id, R.FAILED, only_from=[R.QUEUED], error=error)
+
+
 def fail_direct(session: Session, worker_ids: list[str], error: dict) -> list[str]:
     """Direct responses of dead workers: the api's followers see the row and end their streams."""
     rows = session.execute(update(Response).where(

@@ -50,7 +50,9 @@ def free_port() -> int:
 def model_entry(model_id: str, **overrides) -> dict:
     entry = {
         "id": model_id, "checkpoint": str(CHECKPOINT), "context_window": 2048, "max_output_tokens": 1024,
-        "engine": {"dtype": "auto", "max_model_len": 2048, "max_num_seqs": 32, "enforce_eager": True},
+        # float32, not auto: tests compare greedy texts, and bf16 (chosen on CPUs with AMX/AVX-512-BF16)
+        # gives other texts and is not batch-invariant. `lmsp dev`'s test serves auto (test_embedded.py).
+        "engine": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 32, "enforce_eager": True},
         "kv_cache_gib": 1,
     }
     entry.update(overrides)

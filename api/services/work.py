@@ -5,6 +5,8 @@ Celery messages are sent only after the transaction commits. Statuses and
 events are written by ``common.lifecycle`` only.
 """
 
+import time
+
 from sqlalchemy import func, or_, select, text
 from sqlalchemy.orm import Session
 
@@ -12,7 +14,7 @@ from api.extensions import Services
 from api.services.validation import Prepared
 from common import events, interactive_wire, lifecycle
 from common.broker import BACKGROUND, dispatch
-from common.errors import LMSPError
+from common.errors import LMSPError, problem
 from common.events import dumps
 from common.resources import response_object, task_object
 from common.states import FAILED, QUEUED, SUCCEEDED, R
@@ -57,16 +59,44 @@ def abort_direct(svc: Services, response_id: str) -> None:
     svc.publisher.abort(response_id)
 
 
-def final_from_row(svc: Services, response_id: str) -> tuple[str, str] | None:
-    """(name, data) of the final event of a direct response whose stream lost it (its worker died);
-    the follower numbers it after the last event it sent."""
-    with svc.sessions() as session:
-        row = session.get(Response, response_id)
-    if row is None or row.status in (R.QUEUED, R.IN_PROGRESS):
-        return None
-    name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
-                              incomplete_details=row.incomplete_details)
-    return name, dumps(data)
+class DirectWatch:
+    """What a quiet direct stream asks (``api.live.follow``'s ``ended``): the final event of a
+    response whose worker died, or None while it runs. A response still queued never waits forever:
+    its message is sent again every ``direct_requeue_after_seconds`` (the broker lost it, or a paused worker
+    took it; ``claim_direct`` makes a copy harmless), and once no worker has served its model for
+    ``lease_seconds`` it fails ``model_unavailable``."""
+
+    def __init__(self, svc: Services, response_id: str, spec):
+        self.svc, self.response_id, self.spec = svc, response_id, spec
+        self.sent = self.served = time.monotonic()
+
+    def __call__(self) -> list[tuple[str, str]] | None:
+        with self.svc.sessions() as session:
+            row = session.get(Response, self.response_id)
+            if row is not None and row.status == R.QUEUED and not self._unstick(session):
+                return None
+            row = session.get(Response, self.response_id, populate_existing=True)
+        if row is None or row.status in (R.QUEUED, R.IN_PROGRESS):
+            return None
+        name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
+                                  incomplete_details=row.incomplete_details)
+        return [(name, dumps(data))]  # numbered by the follower after the last event it sent
+
+    def _unstick(self, session: Session) -> bool:
+        """True when the queued response was failed now."""
+        settings, now = self.svc.settings, time.monotonic()
+        if lifecycle.live_workers(session, settings.lease_seconds).get(self.spec.id):
+            self.served = now
+        elif now - self.served >= settings.lease_seconds:
+            error = problem("model_unavailable", f"No worker served {self.spec.id} for "
+                            f"{settings.lease_seconds:g} s; send the request again later or submit a task")
+            if lifecycle.fail_unclaimed_direct(session, self.response_id, error):
+                session.commit()
+                return True
+        if now - self.sent >= settings.direct_requeue_after_seconds:
+            self.sent = now
+            interactive_wire.send(self.svc.celery, self.spec.interactive_queue, self.response_id)
+        return False
 
 
 def check_task_limits(svc: Services, session: Session, principal: str, prepared: Prepared) -> None:

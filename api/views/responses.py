@@ -8,7 +8,7 @@ from api.extensions import services
 from api.live import follow, stream_error
 from api.services import idempotency
 from api.services.validation import prepare
-from api.services.work import abort_direct, create_direct, final_from_row, response_json, stored_response
+from api.services.work import DirectWatch, abort_direct, create_direct, response_json, stored_response
 from common import events
 
 bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
@@ -43,7 +43,7 @@ def create():
         if key is not None:
             svc.claims.abandon(key)  # whatever went wrong, the key is free again at once
         raise
-    events_ = _events(svc, response_id, subscription)
+    events_ = _events(svc, response_id, subscription, DirectWatch(svc, response_id, prepared.spec))
     if prepared.request.stream:
         return streamed(Response(stream_with_context(_stream(svc, response_id, key, events_)),
                                  mimetype="text/event-stream",
@@ -51,12 +51,8 @@ def create():
     return _wait(svc, response_id, key, events_)
 
 
-def _events(svc, response_id, subscription):
+def _events(svc, response_id, subscription, ended: DirectWatch):
     """The direct stream's events one by one; None for a heartbeat."""
-    def ended():
-        final = final_from_row(svc, response_id)  # its worker died without a final event
-        return None if final is None else [final]
-
     for batch in follow(svc.hub, response_id, 0, logged=False, heartbeat=svc.settings.sse_heartbeat_seconds,
                         ended=ended, subscription=subscription):
         yield from (None,) if batch is None else batch

@@ -15,7 +15,9 @@ from tests.harness import ROOT, Client, Stack, engine_pids, model_entry, user, w
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dev")
-    stack = Stack(tmp, f"sqlite:///{tmp / 'home' / 'lmsp.db'}", redis=False, models=[model_entry("smollm2:dev")])
+    served = model_entry("smollm2:dev", engine={  # dtype auto, as `make run` serves it
+        "dtype": "auto", "max_model_len": 2048, "max_num_seqs": 32, "enforce_eager": True})
+    stack = Stack(tmp, f"sqlite:///{tmp / 'home' / 'lmsp.db'}", redis=False, models=[served])
     for name in ("LMSP_BROKER_URL", "LMSP_REDIS_URL"):
         stack.env.pop(name, None)
     port = 18000 + int(time.time()) % 1000

@@ -18,7 +18,7 @@ TOKENS = 48
 @pytest.fixture(scope="module")
 def host():
     from worker.engine import EngineHost
-    spec = ModelSpec(**model_entry("gate", engine={"dtype": "auto", "max_model_len": 512, "max_num_seqs": 2}))
+    spec = ModelSpec(**model_entry("gate", engine={"dtype": "float32", "max_model_len": 512, "max_num_seqs": 2}))
     h = EngineHost(spec.checkpoint, resolve_engine(spec, detect_machine()))
     h.start()
     yield h

@@ -160,7 +160,7 @@ def test_json_schema_output_validates(alice, model_id):
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
               "required": ["city", "population"], "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
-    # Greedy decoding of a 135M model: under float32 (dtype auto on this CPU) the Paris prompt loops on digits.
+    # Greedy decoding of a 135M model: under float32 (the tests' dtype) the Paris prompt loops on digits.
     resp = create(alice, model_id, "Describe Tokyo as JSON with its population.", response_format=fmt,
                   max_output_tokens=120)
     body = resp.json()

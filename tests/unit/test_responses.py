@@ -32,3 +32,41 @@ def test_no_worker_no_response(unit, alice):
     resp = alice.post("/lmsp/v1/responses", request_body())
     problem(resp, 503, "model_unavailable")
     assert int(resp.headers["Retry-After"]) >= 1
+
+
+def test_a_direct_request_no_worker_takes_is_sent_again_then_fails(tmp_path, monkeypatch):
+    """Its message is lost (a paused worker took it, or the broker restarted empty): it is sent again,
+    and once no worker has served the model for a lease it ends with model_unavailable, not never."""
+    import time as clock
+
+    from common import interactive_wire
+    from common.tables import Response, Worker
+    from tests.unit.conftest import make_unit
+
+    sent = []
+    send = interactive_wire.send
+    monkeypatch.setattr(interactive_wire, "send", lambda *args: (sent.append(args[2]), send(*args)))
+
+    unit = make_unit(tmp_path, lease_seconds=2, direct_requeue_after_seconds=0.2)
+
+    def heartbeat():  # alive when a request comes in, then it stops heartbeating
+        with unit.sessions() as session:
+            now = clock.time()
+            session.merge(Worker(id="paused", model=MODEL, heartbeat_at=now, started_at=now, running=0))
+            session.commit()
+
+    caller = unit.as_("carol")
+    heartbeat()
+    started = clock.monotonic()
+    resp = caller.post("/lmsp/v1/responses", request_body())
+    problem(resp, 503, "model_unavailable")
+    assert 2 <= clock.monotonic() - started < 10
+    with unit.sessions() as session:
+        row = session.query(Response).one()
+    assert sent.count(row.id) >= 2  # the first message and a copy of it
+    assert row.status == "failed" and row.error["code"] == "model_unavailable"
+
+    heartbeat()
+    streamed = caller.post("/lmsp/v1/responses", request_body(stream=True)).get_data(as_text=True)
+    received = parse_sse(streamed.split("\n"))
+    assert received[-1][1] == events.FAILED and received[-1][2]["error"]["code"] == "model_unavailable"
