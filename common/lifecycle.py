@@ -314,6 +314,17 @@ def fail_unclaimed_direct(session: Session, response_id: str, error: dict) -> bo
     return respond(session, response_id, R.FAILED, only_from=[R.QUEUED], error=error)
 
 
+DIRECT_WORKER_STOPPED = "The worker generating this response stopped; send the request again"
+
+
+def fail_orphaned_direct(session: Session, response_id: str, lease_seconds: float) -> bool:
+    """A direct response whose worker's lease expired (by the database's clock): with no other worker
+    left to sweep, its waiting client's stream ends here."""
+    expired = select(Worker.id).where(Worker.heartbeat_at < db_now() - lease_seconds)
+    return respond(session, response_id, R.FAILED, only_from=[R.IN_PROGRESS],
+                   where=[Response.worker_id.in_(expired)], error=restarted_error(DIRECT_WORKER_STOPPED))
+
+
 def fail_direct(session: Session, worker_ids: list[str], error: dict) -> list[str]:
     """Direct responses of dead workers: the api's followers see the row and end their streams."""
     rows = session.execute(update(Response).where(

@@ -43,7 +43,7 @@ def recover_own(ctx: WorkerContext) -> None:
 
 def fail_direct(ctx: WorkerContext, worker_ids: list[str]) -> None:
     """Direct responses of a dead worker: their client is waiting; its stream ends with response.failed."""
-    error = lifecycle.restarted_error("The worker generating this response stopped; send the request again")
+    error = lifecycle.restarted_error(lifecycle.DIRECT_WORKER_STOPPED)
     ctx.write(lambda s: (lifecycle.fail_direct(s, worker_ids, error), {}))
 
 

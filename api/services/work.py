@@ -61,10 +61,12 @@ def abort_direct(svc: Services, response_id: str) -> None:
 
 class DirectWatch:
     """What a quiet direct stream asks (``api.live.follow``'s ``ended``): the final event of a
-    response whose worker died, or None while it runs. A response still queued never waits forever:
-    its message is sent again every ``direct_requeue_after_seconds`` (the broker lost it, or a paused worker
-    took it; ``claim_direct`` makes a copy harmless), and once no worker has served its model for
-    ``lease_seconds`` it fails ``model_unavailable``."""
+    response that ended without one reaching the stream, or None while it runs. Nothing waits
+    forever: a response still queued has its message sent again every
+    ``direct_requeue_after_seconds`` (the broker lost it, or a paused worker took it;
+    ``claim_direct`` makes a copy harmless) and fails ``model_unavailable`` once no worker has served
+    its model for ``lease_seconds``; one whose worker's lease expired fails ``server_restarted``
+    (a worker's sweeper does the same, but there may be no other worker)."""
 
     def __init__(self, svc: Services, response_id: str, spec):
         self.svc, self.response_id, self.spec = svc, response_id, spec
@@ -73,29 +75,31 @@ class DirectWatch:
     def __call__(self) -> list[tuple[str, str]] | None:
         with self.svc.sessions() as session:
             row = session.get(Response, self.response_id)
-            if row is not None and row.status == R.QUEUED and not self._unstick(session):
-                return None
-            row = session.get(Response, self.response_id, populate_existing=True)
+            if row is not None and self._unstick(session, row):
+                session.commit()
+                row = session.get(Response, self.response_id, populate_existing=True)
         if row is None or row.status in (R.QUEUED, R.IN_PROGRESS):
             return None
         name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                                   incomplete_details=row.incomplete_details)
         return [(name, dumps(data))]  # numbered by the follower after the last event it sent
 
-    def _unstick(self, session: Session) -> bool:
-        """True when the queued response was failed now."""
+    def _unstick(self, session: Session, row: Response) -> bool:
+        """True when it failed the response now."""
         settings, now = self.svc.settings, time.monotonic()
+        if row.status == R.IN_PROGRESS:
+            return lifecycle.fail_orphaned_direct(session, row.id, settings.lease_seconds)
+        if row.status != R.QUEUED:
+            return False
         if lifecycle.live_workers(session, settings.lease_seconds).get(self.spec.id):
             self.served = now
         elif now - self.served >= settings.lease_seconds:
             error = problem("model_unavailable", f"No worker served {self.spec.id} for "
                             f"{settings.lease_seconds:g} s; send the request again later or submit a task")
-            if lifecycle.fail_unclaimed_direct(session, self.response_id, error):
-                session.commit()
-                return True
+            return lifecycle.fail_unclaimed_direct(session, row.id, error)
         if now - self.sent >= settings.direct_requeue_after_seconds:
             self.sent = now
-            interactive_wire.send(self.svc.celery, self.spec.interactive_queue, self.response_id)
+            interactive_wire.send(self.svc.celery, self.spec.interactive_queue, row.id)
         return False
 
 

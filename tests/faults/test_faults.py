@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import redis
 import requests
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from common import eventlog
@@ -20,7 +20,7 @@ from common.broker import BACKGROUND, dispatch, make_celery
 from common.db import make_engine, session_factory
 from common.registry import queue_name
 from common.settings import Settings
-from common.tables import Task
+from common.tables import Response, Task
 from tests.harness import REDIS_URL, engine_pids, iter_sse, user, wait_for
 
 FINALS = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
@@ -32,6 +32,18 @@ def sessions(pg_url):
     engine = make_engine(pg_url)
     yield session_factory(engine)
     engine.dispose()
+
+
+# Two workers of one model (the stack's pair_model) serve every fault test that needs a worker of its own:
+# a SIGKILL, Redis restarted empty, pauses, a dead engine, Redis restarts, a rolling restart, a dead peer.
+@pytest.fixture(scope="module")
+def pair(stack):
+    env = {"LMSP_DRAIN_SECONDS": "3"}
+    workers = {name: stack.start_worker(stack.pair_model, name, **env) for name in ("pair-a", "pair-b")}
+    workers["env"] = env
+    yield workers
+    for name in ("pair-a", "pair-b"):
+        stack.stop(workers[name])
 
 
 class Follower(threading.Thread):
@@ -110,9 +122,17 @@ def final_task(client, task_id, timeout=600):
     return client.get(f"/lmsp/v1/tasks/{task_id}").json()
 
 
-def test_sigkill_mid_generation_then_restart(stack, alice):
-    model, worker_id = stack.fault_model, "fault-w1"
-    proc = stack.start_worker(model, worker_id)
+def test_sigkill_mid_generation_then_restart(stack, alice, pair, sessions):
+    model, worker_id = stack.pair_model, "pair-a"
+    proc = pair["pair-a"]
+    os.kill(pair["pair-b"].pid, signal.SIGSTOP)  # all on pair-a; nobody takes over: its own boot applies on_restart
+    try:
+        _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc)
+    finally:
+        os.kill(pair["pair-b"].pid, signal.SIGCONT)
+
+
+def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
     tasks = {policy: submit(alice, model, ESSAY.format(topic), policy)
              for policy, topic in [("fail", "Rome"), ("retry", "Egypt"), ("resume", "China")]}
     cancelling = submit(alice, model, ESSAY.format("Peru"), "resume")
@@ -123,7 +143,8 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
     def stream_direct():
         body = {"model": model, "input": user(ESSAY.format("Chile")), "stream": True, "max_output_tokens": 900}
         with alice.stream_post("/lmsp/v1/responses", body) as resp:
-            direct.extend(iter_sse(resp.iter_lines(decode_unicode=True)))
+            for event in iter_sse(resp.iter_lines(decode_unicode=True)):
+                direct.append(event)
 
     sync: list = []  # a synchronous request on it: its answer must be a problem document, not a hang
 
@@ -140,6 +161,7 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
         f.start()
     wait_for(lambda: all(f.deltas() >= 12 for f in followers.values()), 300, "generation did not start")
     wait_for(lambda: alice.get(f"/lmsp/v1/tasks/{cancelling['id']}").json()["status"] == "running", 60, "run")
+    wait_for(lambda: _queued_responses(sessions, model) == 0, 60, "the direct requests did not start")
     os.kill(proc.pid, signal.SIGSTOP)  # freeze it so the cancel below cannot complete before the crash
     assert alice.post(f"/lmsp/v1/tasks/{cancelling['id']}/cancel").json()["status"] == "cancelling"
     before = {p: f.text() for p, f in followers.items()}
@@ -148,7 +170,8 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
     stale = engine_pids(worker_id)
     assert stale, "expected the killed worker's engine to outlive it"
 
-    restarted = stack.start_worker(model, worker_id)  # same identity: applies on_restart at boot
+    restarted = stack.start_worker(model, worker_id, **pair["env"])  # same identity: applies on_restart at boot
+    pair["pair-a"] = restarted
     assert not set(stale) & set(engine_pids(worker_id)), "the stale engine must be gone"
     for f in followers.values():
         f.join(600)
@@ -201,8 +224,11 @@ def test_sigkill_mid_generation_then_restart(stack, alice):
     assert sync[0].json()["code"] == "server_restarted"
     assert sum(1 for e in direct if e[1] in FINALS) == 1
 
-    stack.stop(restarted)  # a clean stop leaves no engine behind either
-    wait_for(lambda: engine_pids(worker_id) == [], 30, "engine processes outlived a clean stop")
+
+def _queued_responses(sessions, model) -> int:
+    with sessions() as session:
+        return session.execute(select(func.count()).select_from(Response).where(
+            Response.model == model, Response.status == "queued")).scalar()
 
 
 def restart_redis():
@@ -224,19 +250,21 @@ def _pings(client):
         return False
 
 
-def test_redis_restarted_empty_loses_no_queued_task(stack, alice):
-    model = stack.fault_model
-    tasks = [submit(alice, model, f"Name a color, number {i}.", max_tokens=6) for i in range(20)]
-    restart_redis()
-    assert redis.Redis.from_url(REDIS_URL).llen(queue_name(model)) == 0  # the broker forgot them
-    worker = stack.start_worker(model, "fault-w2")
+def test_redis_restarted_empty_loses_no_queued_task(stack, alice, pair):
+    model = stack.pair_model
+    frozen = [pair[name].pid for name in ("pair-a", "pair-b")]
+    for pid in frozen:  # nobody takes the tasks before the broker forgets them
+        os.kill(pid, signal.SIGSTOP)
     try:
-        for task in tasks:
-            assert final_task(alice, task["id"], timeout=300)["status"] == "succeeded"
-            events = alice.sse(task["events_url"])
-            check_exactly_once(events)
+        tasks = [submit(alice, model, f"Name a color, number {i}.", max_tokens=6) for i in range(20)]
+        restart_redis()
+        assert redis.Redis.from_url(REDIS_URL).llen(queue_name(model)) == 0  # the broker forgot them
     finally:
-        stack.stop(worker)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    for task in tasks:
+        assert final_task(alice, task["id"], timeout=300)["status"] == "succeeded"
+        check_exactly_once(alice.sse(task["events_url"]))
 
 
 def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, model_id):
@@ -290,66 +318,6 @@ def test_a_foreign_event_row_fails_only_its_task(stack, alice, model_id, session
         check_exactly_once(f.events)
     later = submit(alice, model_id, "Say hello.", max_tokens=8)  # the worker goes on taking work
     assert final_task(alice, later["id"], timeout=120)["status"] == "succeeded"
-
-
-def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, model_id, sessions, worker):
-    second = stack.start_worker(model_id, "test-second")
-    settings = Settings(broker_url=REDIS_URL, home=stack.tmp / "home")
-    celery = make_celery(settings)
-    tasks = [submit(alice, model_id, f"Write two sentences about the number {i}.", max_tokens=40)
-             for i in range(12)]
-    wait_for(lambda: all(alice.get(f"/lmsp/v1/tasks/{t['id']}").json()["status"] != "queued" for t in tasks),
-             300, "not claimed")
-    for task in tasks:  # a broker redelivery of every message while the tasks run
-        dispatch(celery, queue_name(model_id), {"task_id": task["id"]}, BACKGROUND)
-    for task in tasks:
-        assert final_task(alice, task["id"])["status"] == "succeeded"
-        check_exactly_once(alice.sse(task["events_url"]))
-    with sessions() as session:
-        rows = session.execute(select(Task.worker_id, Task.attempt).where(
-            Task.id.in_([t["id"] for t in tasks]))).all()
-    assert {attempt for _, attempt in rows} == {1}  # nothing ran twice
-    owners = {w for w, _ in rows}
-    assert owners == {"test-second", f"test-{model_id}"}  # both workers took a share
-
-    # Lease expiry: the second worker dies for good; the first takes over its tasks.
-    long = [submit(alice, model_id, ESSAY.format(t), "resume", max_tokens=600) for t in ("tea", "silk", "jade",
-                                                                                          "wool")]
-    followers = {t["id"]: Follower(alice, t) for t in long}
-    for f in followers.values():
-        f.start()
-
-    def second_is_generating():
-        with sessions() as session:
-            mine = session.execute(select(Task.id).where(
-                Task.id.in_(list(followers)), Task.worker_id == "test-second", Task.status == "running")).scalars()
-            return [tid for tid in mine if followers[tid].deltas() >= 5]
-
-    wait_for(second_is_generating, 300, "the second worker did not take a task")
-    stack.stop(second, sig=signal.SIGKILL)
-    with sessions() as session:
-        orphaned = set(session.execute(select(Task.id).where(
-            Task.id.in_(list(followers)), Task.worker_id == "test-second", Task.status == "running")).scalars())
-    assert orphaned
-    for task in long:
-        f = followers[task["id"]]
-        f.join(600)
-        check_exactly_once(f.events)
-        assert final_task(alice, task["id"])["status"] == "succeeded"
-    with sessions() as session:
-        owners = set(session.execute(select(Task.worker_id).where(Task.id.in_(orphaned))).scalars())
-    assert owners == {f"test-{model_id}"}  # taken over after the lease expired
-
-
-# -- a pair of workers of one model: pauses, a dead engine, Redis restarts, a rolling restart -----------
-@pytest.fixture(scope="module")
-def pair(stack):
-    env = {"LMSP_DRAIN_SECONDS": "3"}
-    workers = {name: stack.start_worker(stack.pair_model, name, **env) for name in ("pair-a", "pair-b")}
-    workers["env"] = env
-    yield workers
-    for name in ("pair-a", "pair-b"):
-        stack.stop(workers[name])
 
 
 def owners(sessions, task_ids) -> dict[str, str | None]:
@@ -507,6 +475,55 @@ def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pai
     assert "handed on" in worker_log(stack, "pair-a")
     assert worker_log(stack, "pair-b").count("took over") == before  # nobody waited for a lease
     assert engine_pids("pair-a") != [] and pair["pair-a"].poll() is None
+
+
+def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, pair, sessions):
+    model_id = stack.pair_model
+    settings = Settings(broker_url=REDIS_URL, home=stack.tmp / "home")
+    celery = make_celery(settings)
+    tasks = [submit(alice, model_id, f"Write two sentences about the number {i}.", max_tokens=40)
+             for i in range(12)]
+    wait_for(lambda: all(alice.get(f"/lmsp/v1/tasks/{t['id']}").json()["status"] != "queued" for t in tasks),
+             300, "not claimed")
+    for task in tasks:  # a broker redelivery of every message while the tasks run
+        dispatch(celery, queue_name(model_id), {"task_id": task["id"]}, BACKGROUND)
+    for task in tasks:
+        assert final_task(alice, task["id"])["status"] == "succeeded"
+        check_exactly_once(alice.sse(task["events_url"]))
+    with sessions() as session:
+        rows = session.execute(select(Task.worker_id, Task.attempt).where(
+            Task.id.in_([t["id"] for t in tasks]))).all()
+    assert {attempt for _, attempt in rows} == {1}  # nothing ran twice
+    owners = {w for w, _ in rows}
+    assert owners == {"pair-a", "pair-b"}  # both workers took a share
+
+    # Lease expiry: pair-b dies for good (the last test of the pair); pair-a takes over its tasks.
+    long = [submit(alice, model_id, ESSAY.format(t), "resume", max_tokens=400) for t in ("tea", "silk", "jade",
+                                                                                          "wool")]
+    followers = {t["id"]: Follower(alice, t) for t in long}
+    for f in followers.values():
+        f.start()
+
+    def second_is_generating():
+        with sessions() as session:
+            mine = session.execute(select(Task.id).where(
+                Task.id.in_(list(followers)), Task.worker_id == "pair-b", Task.status == "running")).scalars()
+            return [tid for tid in mine if followers[tid].deltas() >= 5]
+
+    wait_for(second_is_generating, 300, "the second worker did not take a task")
+    stack.stop(pair["pair-b"], sig=signal.SIGKILL)
+    with sessions() as session:
+        orphaned = set(session.execute(select(Task.id).where(
+            Task.id.in_(list(followers)), Task.worker_id == "pair-b", Task.status == "running")).scalars())
+    assert orphaned
+    for task in long:
+        f = followers[task["id"]]
+        f.join(600)
+        check_exactly_once(f.events)
+        assert final_task(alice, task["id"])["status"] == "succeeded"
+    with sessions() as session:
+        owners = set(session.execute(select(Task.worker_id).where(Task.id.in_(orphaned))).scalars())
+    assert owners == {"pair-a"}  # taken over after the lease expired
 
 
 def test_api_sigterm_ends_task_streams_so_clients_resume_elsewhere(stack, alice, model_id):

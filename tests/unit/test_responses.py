@@ -70,3 +70,21 @@ def test_a_direct_request_no_worker_takes_is_sent_again_then_fails(tmp_path, mon
     streamed = caller.post("/lmsp/v1/responses", request_body(stream=True)).get_data(as_text=True)
     received = parse_sse(streamed.split("\n"))
     assert received[-1][1] == events.FAILED and received[-1][2]["error"]["code"] == "model_unavailable"
+
+
+def test_a_direct_request_whose_worker_stopped_heartbeating_ends(tmp_path):
+    """Its worker froze or died mid-generation and no other worker is left to sweep: the waiting
+    client gets server_restarted once the lease expired, not a stream that never ends."""
+    import threading
+
+    from tests.unit.conftest import make_unit
+
+    unit = make_unit(tmp_path, lease_seconds=2)
+    frozen = threading.Event()
+    with FakeWorker(unit.sessions, MODEL, gate=frozen) as worker:  # claims it, then never heartbeats
+        try:
+            resp = unit.as_("dave").post("/lmsp/v1/responses", request_body())
+            assert worker.claimed.is_set()
+            problem(resp, 500, "server_restarted")
+        finally:
+            frozen.set()
