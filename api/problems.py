@@ -6,6 +6,8 @@ import re
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.routing import WebsocketMismatch
+from wsproto.utilities import RemoteProtocolError
 
 from common.errors import LMSPError, problem
 from common.wire import VERSION
@@ -74,8 +76,21 @@ def init_app(app: Flask) -> None:
         detail = {404: f"No route {request.path}; the API lives under /lmsp/v1",
                   405: f"{request.method} is not allowed on {request.path}",
                   413: "The request body is larger than the limit"}.get(exc.code, exc.description)
+        if isinstance(exc, WebsocketMismatch):  # werkzeug's own words blame "the browser (or proxy)"
+            detail = ("Only GET /lmsp/v1/tasks/{task_id}/ws takes a WebSocket upgrade" if request.environ.get(
+                "HTTP_UPGRADE", "").lower() == "websocket" else "This route takes only a WebSocket upgrade "
+                "(Connection: Upgrade, Upgrade: websocket); GET .../events streams the same events over SSE")
         headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
         return problem_response(problem(code, detail, instance=request.path), headers)
+
+    @app.errorhandler(RemoteProtocolError)
+    def _handshake(exc: RemoteProtocolError):
+        # flask-sock shakes hands before the view runs; a client's bad handshake is its error, not ours.
+        hint = exc.event_hint
+        headers = {k.decode(): v.decode() for k, v in getattr(hint, "headers", None) or []}
+        named = re.search(r"header, '([A-Za-z-]+)", str(exc))  # wsproto: "Missing header, 'Sec-WebSocket-Key'"
+        return problem_response(problem("invalid_request", f"Not a valid WebSocket handshake: {exc}",
+                                        instance=request.path, param=named and named.group(1)), headers)
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
