@@ -7,8 +7,13 @@ on the filesystem and no Redis, all under ``LMSP_HOME``.
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConfigError(Exception):
+    """The operator's configuration (environment, models file, database) is wrong. The message is one
+    line saying what is wrong and what to do; entry points print it and exit non-zero, no traceback."""
 
 
 def _home() -> Path:
@@ -64,13 +69,13 @@ class Settings(BaseSettings):
     grammar_compile_timeout_seconds: float = 5.0
     # Server.
     host: str = "127.0.0.1"
-    port: int = 8080
-    api_workers: int = 2
-    api_threads: int = 256  # one per open event stream (gthread)
+    port: int = Field(8080, ge=1, le=65535)
+    api_workers: int = Field(2, ge=1)
+    api_threads: int = Field(256, ge=1)  # one per open event stream (gthread)
     # Operations: logs, the worker's /readyz + /metrics port, the drain on SIGTERM.
     log_format: str = "text"          # "json": one object a line with task, response and worker ids
     worker_metrics_host: str = "127.0.0.1"
-    worker_metrics_port: int = 9400   # 0: no port; a supervisor gives its Nth child port + N
+    worker_metrics_port: int = Field(9400, ge=0, le=65535)  # 0: no port; a supervisor gives its Nth child port + N
 
     @property
     def db_url(self) -> str:
@@ -93,6 +98,16 @@ class Settings(BaseSettings):
         return self.home / "models"
 
 
+def load_settings() -> Settings:
+    """The settings as the environment has them now; ``ConfigError`` for a value that does not parse."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise ConfigError("; ".join(
+            f"LMSP_{'_'.join(map(str, err['loc'])).upper()}={err['input']!r} is not valid ({err['msg']})"
+            for err in exc.errors()) + ": fix or unset it") from None
+
+
 @lru_cache
 def get_settings() -> Settings:
-    return Settings()
+    return load_settings()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from common.settings import get_settings
+from common.settings import ConfigError, get_settings
 from lmsp import client as lc
 
 DEFAULT_MODEL = "smollm2:135m"
@@ -43,17 +43,17 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli.main(args=argv, prog_name="lmsp")
+    try:
+        cli.main(args=argv, prog_name="lmsp")
+    except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
+        fail(str(exc))
 
 
 # == admin ========================================================================================
 def _sessions():
-    from common.db import NotMigrated, ensure_migrated, make_engine, session_factory
+    from common.db import ensure_migrated, make_engine, session_factory
     engine = make_engine(get_settings().db_url)
-    try:
-        ensure_migrated(engine)
-    except NotMigrated as exc:
-        fail(str(exc))
+    ensure_migrated(engine)
     return session_factory(engine)
 
 
@@ -74,14 +74,15 @@ def tokens() -> None:
 
 
 @tokens.command("create")
-@click.option("--principal", required=True)
+@click.option("--principal", required=True, help="The tenant the token acts for: 1-128 visible characters.")
 @click.option("--scopes", help="Comma-separated; default: every 1.0 scope but admin.")
-@click.option("--name")
+@click.option("--name", help="A label for `lmsp tokens list`: at most 200 characters.")
 def tokens_create(principal: str, scopes: str | None, name: str | None) -> None:
     """Create a token; prints it once."""
-    from common.tokens import create_token, parse_scopes
+    from common.tokens import check_principal, create_token, parse_scopes
     try:
         granted = parse_scopes(scopes)
+        check_principal(principal, name)
     except ValueError as exc:
         fail(str(exc))
     with _sessions()() as session:
@@ -169,10 +170,11 @@ def _check_port(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            fail(f"port {port} on {host} is in use (another `lmsp dev` or `make run`?). Choose another "
-                 f"with --port or LMSP_PORT, e.g. `make run LMSP_PORT={port + 1}`")
+            if exc.errno == errno.EADDRINUSE:
+                fail(f"port {port} on {host} is in use (another `lmsp dev` or `make run`?). Choose another "
+                     f"with --port or LMSP_PORT, e.g. `make run LMSP_PORT={port + 1}`")
+            fail(f"cannot listen on {host}:{port} ({exc.strerror or exc}); set LMSP_HOST to an address of "
+                 "this machine (127.0.0.1, 0.0.0.0) and --port or LMSP_PORT to a free port above 1023")
 
 
 def _server_settings(port: int | None):
@@ -189,6 +191,13 @@ def serve(port: int | None) -> None:
     """Run the api (gunicorn, gthread)."""
     settings = _server_settings(port)
     _check_port(settings.host, settings.port)
+    # What every api process checks when it starts, checked once here: a mistake is one line now,
+    # not a traceback per gunicorn worker.
+    from common.registry import Registry
+    _sessions()
+    if not Registry.load(settings.models_path).models:
+        say(f"no models registered in {settings.models_path}: the api serves none "
+            "(`lmsp models import-gguf FILE --id ID` registers one)")
     from api.serve import gunicorn_argv
     argv = gunicorn_argv(settings)
     os.execv(argv[0], argv)

@@ -1,0 +1,128 @@
+"""What an operator gets wrong: the environment, the models file, the database. Every entry point
+(`lmsp ...`, the worker, gunicorn's api.wsgi) says in one line what is wrong and what to do, and
+exits non-zero; never a traceback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.db import upgrade
+from common.settings import get_settings
+from lmsp import cli
+from tests.harness import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A clean LMSP_* environment under tmp_path, with a migrated SQLite database; returns a setter."""
+    for name in [n for n in os.environ if n.startswith("LMSP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LMSP_HOME", str(tmp_path))
+    monkeypatch.setenv("LMSP_DATABASE_URL", f"sqlite:///{tmp_path / 'lmsp.db'}")
+    upgrade(f"sqlite:///{tmp_path / 'lmsp.db'}")
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"exec'd {a} despite a bad configuration"))
+    get_settings.cache_clear()
+    yield lambda **values: [monkeypatch.setenv(f"LMSP_{k.upper()}", v) for k, v in values.items()]
+    get_settings.cache_clear()
+
+
+def lmsp(capsys, *args: str) -> tuple[int, list[str], str]:
+    """Exit status, stderr lines, stdout."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return exit_.value.code, [line for line in err.splitlines() if line.strip()], out
+
+
+def fails_with(capsys, args: tuple, *words: str) -> str:
+    code, lines, _ = lmsp(capsys, *args)
+    assert code not in (0, None) and lines, lines
+    last = lines[-1]
+    assert last.startswith("lmsp: ") and all(w in last for w in words), lines
+    return last
+
+
+@pytest.mark.parametrize("args", [("tokens", "list"), ("ask", "hi", "--token", "x"), ("serve",)])
+def test_a_setting_that_does_not_parse_is_one_line(env, capsys, args):
+    env(port="abc")
+    fails_with(capsys, args, "LMSP_PORT='abc'", "fix or unset it")
+
+
+def test_out_of_range_settings_are_named_together(env, capsys):
+    env(port="99999", api_workers="0")
+    fails_with(capsys, ("serve",), "LMSP_PORT='99999'", "LMSP_API_WORKERS='0'")
+
+
+@pytest.mark.parametrize("url, words", [
+    ("postgresql://lmsp:hunter2@127.0.0.1:1/lmsp", ("cannot reach the database", "LMSP_DATABASE_URL")),
+    ("not a url", ("is not a database URL", "postgresql://")),
+    ("nosuchdb://host/x", ("is not a database URL",)),
+])
+@pytest.mark.parametrize("args", [("tokens", "list"), ("migrate",), ("serve",)])
+def test_a_database_that_cannot_be_reached_is_one_line(env, capsys, url, words, args):
+    env(database_url=url)
+    assert "hunter2" not in fails_with(capsys, args, *words)
+
+
+def test_an_unmigrated_database_says_to_migrate(env, capsys, tmp_path):
+    env(database_url=f"sqlite:///{tmp_path / 'new.db'}")
+    fails_with(capsys, ("tokens", "list"), "lmsp migrate")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("models: [1", ("not valid YAML", "line 2")),
+    ("- a list", ("must be a mapping",)),
+    ("models: [{id: x}]", ("model 1 (x)", "checkpoint")),
+])
+@pytest.mark.parametrize("args", [("models", "list", "--registry"), ("serve",), ("dev",)])
+def test_a_broken_models_file_is_one_line(env, capsys, tmp_path, text, words, args):
+    (tmp_path / "models.yaml").write_text(text + "\n")
+    env(port=str(free_port()))
+    fails_with(capsys, args, str(tmp_path / "models.yaml"), *words)
+
+
+def test_a_models_file_that_is_a_folder_is_one_line(env, capsys, tmp_path):
+    env(models_file=str(tmp_path))
+    fails_with(capsys, ("models", "list", "--registry"), "cannot read the models file", "LMSP_MODELS_FILE")
+
+
+def test_tokens_commands_refuse_what_the_database_cannot_hold(env, capsys):
+    fails_with(capsys, ("tokens", "revoke", "tok_nope"), "no token tok_nope", "lmsp tokens list")
+    fails_with(capsys, ("tokens", "revoke", "tok_\x00"), "no token")
+    for principal in ("", "a b", "p" * 129, "tab\there"):
+        fails_with(capsys, ("tokens", "create", "--principal", principal), "principal")
+    fails_with(capsys, ("tokens", "create", "--principal", "p", "--name", "n" * 201), "name")
+    code, _, out = lmsp(capsys, "tokens", "list")
+    assert code in (0, None) and len(out.splitlines()) == 1  # the header: nothing was created
+
+
+def test_an_address_that_cannot_be_listened_on_is_one_line(env, capsys):
+    env(host="192.0.2.1")  # TEST-NET-1: never this machine's
+    fails_with(capsys, ("serve", "--port", str(free_port())), "cannot listen on 192.0.2.1", "LMSP_HOST")
+
+
+def test_the_worker_says_what_is_wrong(env, monkeypatch):
+    from worker import main as worker_main
+    env(log_format="text", port="abc")
+    with pytest.raises(SystemExit) as exit_:
+        worker_main.run("any")
+    assert str(exit_.value.code).startswith("lmsp worker: LMSP_PORT='abc'")
+
+
+def test_gunicorns_entry_point_stops_gunicorn_with_one_line(tmp_path):
+    """gunicorn's master halts ("App failed to load") on exit status 4, instead of booting workers
+    that fail the same way."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSP_")}
+    env.update(LMSP_HOME=str(tmp_path), LMSP_MODELS_FILE=str(tmp_path / "models.yaml"), HOME=str(tmp_path))
+    (tmp_path / "models.yaml").write_text("models: [{id: x}]\n")
+    upgrade(f"sqlite:///{tmp_path / 'lmsp.db'}")
+    done = subprocess.run([sys.executable, "-c", "import api.wsgi"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+    assert "lmsp api: the models file" in done.stderr.splitlines()[-1]
