@@ -10,7 +10,8 @@ import time
 import pytest
 from sqlalchemy import event
 
-from tests.unit.conftest import problem, task_body
+from tests.harness import wait_for
+from tests.unit.conftest import make_unit, problem, task_body
 
 WS_HANDSHAKE = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
                 "Sec-WebSocket-Version": "13"}
@@ -167,3 +168,20 @@ def test_a_client_that_floods_the_websocket_is_dropped(alice):
                 peer.sendall(b"\x00" * 65536)
         view.join(10)
         assert not view.is_alive()
+
+
+# --- long polls hold a thread, so they hold a stream slot ------------------------------------------
+
+def test_a_long_poll_holds_a_stream_slot(unit, tmp_path):
+    one = make_unit(tmp_path, api_threads=17, stream_reserved_threads=16)  # one slot in this process
+    slots = one.app.extensions["lmsp"].streams
+    alice, bob = one.as_("alice"), one.as_("bob")
+    task = alice.task("queued")
+    poll = threading.Thread(target=alice.get, args=(f"/lmsp/v1/tasks/{task.id}?wait=30",), daemon=True)
+    poll.start()
+    wait_for(lambda: slots.open == 1, 10, "the long poll to take the slot")
+    problem(bob.get(f"/lmsp/v1/tasks/{bob.task('succeeded').id}/events"), 429, "rate_limited")
+    assert bob.get(f"/lmsp/v1/tasks/{bob.task('queued').id}?wait=2").status_code == 200  # at once: no slot
+    assert alice.post(f"/lmsp/v1/tasks/{task.id}/cancel").get_json()["status"] == "cancelled"
+    poll.join(10)
+    assert not poll.is_alive() and slots.open == 0
