@@ -154,7 +154,10 @@ def models_import(file: Path, model_id: str, reasoning_parser, tool_call_parser)
     """Convert a GGUF file (Ollama, llama.cpp) to a checkpoint vLLM loads, and register it."""
     if not file.is_file():
         fail(f"no file {file}")
-    import_gguf(file, model_id, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+    try:
+        import_gguf(file, model_id, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+    except (OSError, ValueError) as exc:  # not a GGUF file, an architecture transformers cannot read, ...
+        fail(f"cannot import {file}: {str(exc).rstrip('.')}; give a GGUF file as Ollama or llama.cpp keep them")
 
 
 @models.command("fetch-default", help=f"Fetch and import the default model, {DEFAULT_MODEL}.")
@@ -267,9 +270,10 @@ def dev(port: int | None) -> None:
     token_file = settings.home / "dev-token"
     _dev_token(token_file)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children on SIGTERM too, not only Ctrl-C
-    children = [subprocess.Popen([sys.executable, "-m", "lmsp", "worker", "--model", m]) for m in names]
+    children = {f"the worker of {m}": subprocess.Popen([sys.executable, "-m", "lmsp", "worker", "--model", m])
+                for m in names}
     from api.serve import gunicorn_argv
-    children.append(subprocess.Popen(gunicorn_argv(settings)))
+    children["the api"] = subprocess.Popen(gunicorn_argv(settings))
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     url = f"http://{host}:{settings.port}"
     say(f"starting on {url}: the api, and {len(names)} worker(s) loading {', '.join(names)} "
@@ -277,7 +281,7 @@ def dev(port: int | None) -> None:
     token = token_file.read_text().strip()
     ready = False
     try:
-        while all(c.poll() is None for c in children):
+        while all(c.poll() is None for c in children.values()):
             if not ready and _ready(url, token):
                 ready = True
                 flag = "" if settings.port == 8080 and host == "127.0.0.1" else f" --url {url}"
@@ -285,16 +289,19 @@ def dev(port: int | None) -> None:
                     f"try: {_command_name()} ask{flag} \"{SAMPLE_PROMPT}\"")
             time.sleep(1)
     except KeyboardInterrupt:
-        pass
+        return
     finally:
-        for c in children:
+        dead = next(((name, c.returncode) for name, c in children.items() if c.poll() is not None), None)
+        for c in children.values():
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)
-        for c in children:
+        for c in children.values():
             try:
                 c.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 c.kill()
+    # Not stopped by Ctrl-C: a child ended by itself, so this run failed (a supervisor should know).
+    fail(f"{dead[0]} exited with status {dead[1]} (its own message is above); the rest is stopped")
 
 
 # == client =======================================================================================

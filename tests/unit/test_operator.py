@@ -126,3 +126,35 @@ def test_gunicorns_entry_point_stops_gunicorn_with_one_line(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
     assert "lmsp api: the models file" in done.stderr.splitlines()[-1]
+
+
+def test_importing_a_file_that_is_not_gguf_is_one_line(env, capsys, tmp_path):
+    (tmp_path / "notes.gguf").write_text("not a model")
+    fails_with(capsys, ("models", "import-gguf", str(tmp_path / "notes.gguf"), "--id", "x"), "is not a GGUF file")
+
+
+class _Child:
+    """A child process of `lmsp dev`: the api runs, the worker exits at once with status 3."""
+
+    def __init__(self, argv):
+        self.returncode = 3 if "worker" in argv else None
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, _sig):
+        self.returncode = -15
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+
+def test_dev_exits_non_zero_when_a_child_dies(env, capsys, tmp_path, monkeypatch):
+    import yaml
+
+    from tests.harness import model_entry
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [model_entry("m:1")]}))
+    env(port=str(free_port()))
+    monkeypatch.setattr(cli.subprocess, "Popen", _Child)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    fails_with(capsys, ("dev",), "the worker of m:1 exited with status 3")
