@@ -90,6 +90,10 @@ def json_body():
     mimetype = request.mimetype or ""
     if mimetype != "application/json" and not mimetype.endswith("+json"):
         raise LMSPError("unsupported_media_type", "Send the body as JSON with Content-Type: application/json")
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if coding not in ("", "identity"):  # RFC 7694: else a gzip body reads as "not valid UTF-8"
+        raise LMSPError("unsupported_media_type", f"Content-Encoding {coding} is not accepted; send the body "
+                        "uncompressed")
     raw = request.get_data(cache=True)  # werkzeug enforces MAX_CONTENT_LENGTH -> 413
     try:
         text = raw.decode("utf-8")

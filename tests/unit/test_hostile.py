@@ -185,3 +185,10 @@ def test_a_long_poll_holds_a_stream_slot(unit, tmp_path):
     assert alice.post(f"/lmsp/v1/tasks/{task.id}/cancel").get_json()["status"] == "cancelled"
     poll.join(10)
     assert not poll.is_alive() and slots.open == 0
+
+
+def test_a_compressed_body_is_415_not_a_puzzle(unit, alice):
+    import gzip
+    resp = alice.post("/lmsp/v1/tasks", data=gzip.compress(json.dumps(task_body()).encode()),
+                      content_type="application/json", headers={"Content-Encoding": "gzip"})
+    assert "Content-Encoding gzip" in problem(resp, 415, "unsupported_media_type")["detail"]
