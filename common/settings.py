@@ -6,6 +6,7 @@ on the filesystem and no Redis, all under ``LMSP_HOME``.
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -73,7 +74,7 @@ class Settings(BaseSettings):
     api_workers: int = Field(2, ge=1)
     api_threads: int = Field(256, ge=1)  # one per open event stream (gthread)
     # Operations: logs, the worker's /readyz + /metrics port, the drain on SIGTERM.
-    log_format: str = "text"          # "json": one object a line with task, response and worker ids
+    log_format: Literal["text", "json"] = "text"  # "json": one object a line with task, response and worker ids
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(9400, ge=0, le=65535)  # 0: no port; a supervisor gives its Nth child port + N
 

@@ -115,17 +115,22 @@ def test_the_worker_says_what_is_wrong(env, monkeypatch):
     assert str(exit_.value.code).startswith("lmsp worker: LMSP_PORT='abc'")
 
 
-def test_gunicorns_entry_point_stops_gunicorn_with_one_line(tmp_path):
+@pytest.mark.parametrize("values, words", [
+    ({"LMSP_MODELS_FILE": "models.yaml"}, "lmsp api: the models file"),
+    ({"LMSP_LOG_FORMAT": "xml"}, "lmsp api: LMSP_LOG_FORMAT='xml'"),
+])
+def test_gunicorns_entry_point_stops_gunicorn_with_one_line(tmp_path, values, words):
     """gunicorn's master halts ("App failed to load") on exit status 4, instead of booting workers
     that fail the same way."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMSP_")}
-    env.update(LMSP_HOME=str(tmp_path), LMSP_MODELS_FILE=str(tmp_path / "models.yaml"), HOME=str(tmp_path))
+    env.update(LMSP_HOME=str(tmp_path), HOME=str(tmp_path), **{k: str(tmp_path / v) if k.endswith("FILE") else v
+                                                                for k, v in values.items()})
     (tmp_path / "models.yaml").write_text("models: [{id: x}]\n")
     upgrade(f"sqlite:///{tmp_path / 'lmsp.db'}")
     done = subprocess.run([sys.executable, "-c", "import api.wsgi"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
-    assert "lmsp api: the models file" in done.stderr.splitlines()[-1]
+    assert done.stderr.splitlines()[-1].startswith(words), done.stderr
 
 
 def test_importing_a_file_that_is_not_gguf_is_one_line(env, capsys, tmp_path):
