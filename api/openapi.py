@@ -285,14 +285,15 @@ def _paths() -> dict:
             "tasks:read",
             {"101": {"description": "Switching protocols. One text frame per event (WebSocketFrame: "
                                     "`{\"id\":n,\"event\":name,\"data\":{...}}`); the server closes with "
-                                    "1000 after the final event. Problems found after the handshake "
-                                    "(missing scope, unknown task, expired history, bad `after`) end the "
-                                    "connection instead of answering with a status.",
+                                    "1000 after the final event; 1008 when the token is revoked, 1012 when "
+                                    "the server restarts, 1011 when the stream fails (reconnect with `after`).",
                      "headers": _headers(),
                      "x-lmsp-frame": ref("WebSocketFrame")},
-             # flask-sock runs the view (and so the scope check) after the handshake: no 403 status.
-             **{k: v for k, v in errors((400, "invalid_request", "Not a WebSocket handshake")).items()
-                if k != "403"}},
+             # Scope, task, capability, retention and `after` are checked before the handshake (events.py's
+             # _ws_preflight), so they answer with a status, as on the SSE endpoint.
+             **errors((400, "invalid_request", "unsupported_capability",
+                       "Not a WebSocket handshake (param names the header), or a bad `after`"),
+                      (404, "task_not_found"), (410, "event_history_expired"))},
             description="Same events and resumption (`after`, Last-Event-ID) as the SSE endpoint.",
             params=["TaskId", "After", "LastEventId"])},
     }
