@@ -15,6 +15,7 @@ from api.auth import require
 from common import wire
 from common.errors import CODES
 from common.protocol import ResponseRequest, TaskRequest
+from common.states import STATES
 from common.tokens import RESERVED_SCOPES, SCOPES
 from common.wire import API, VERSION
 
@@ -52,6 +53,7 @@ def _sse(description: str) -> dict:
 
 
 # -- parameters, headers, responses -------------------------------------------------------------
+_STATES = "|".join(STATES)
 PARAMETERS = {
     "LMSPVersion": {"name": "LMSP-Version", "in": "header", "required": False,
                     "description": "Protocol version the client speaks; another major version answers "
@@ -70,11 +72,13 @@ PARAMETERS = {
               "description": "Replay only events with a greater id; wins over Last-Event-ID (spec 6.4)",
               "schema": {"type": "integer", "minimum": 0, "maximum": 999999999999}},
     "State": {"name": "state", "in": "query", "required": False,
-              "description": "Only tasks in these states (comma-separated)", "schema": {"type": "string"}},
+              "description": "Only tasks in these states (comma-separated)",
+              "schema": {"type": "string", "pattern": f"^({_STATES})?(,({_STATES})?)*$"}},
     "Limit": {"name": "limit", "in": "query", "required": False,
               "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
     "Cursor": {"name": "cursor", "in": "query", "required": False,
-               "description": "The `next_cursor` of the previous page", "schema": {"type": "string"}},
+               "description": "The `next_cursor` of the previous page",
+               "schema": {"type": "string", "pattern": "^(task_[0-9A-HJKMNP-TV-Z]{26})?$"}},
     "Ticket": {"name": "ticket", "in": "query", "required": False,
                "description": "A stream ticket (POST .../events/ticket) instead of the Authorization header",
                "schema": {"type": "string"}},

@@ -1,9 +1,10 @@
 """Numbers a client puts in a query string or a header, read one way everywhere.
 
 ASCII digits only: ``str.isdigit()`` admits "²" (which ``int()`` refuses) and ``float()`` admits
-" 1", "1_0", "١" and "nan"; a bounded length keeps ``int()`` away from its 4300-digit limit.
+" 1", "1_0", "١", "nan" and "inf"; a bounded length keeps ``int()`` away from its 4300-digit limit.
 """
 
+import math
 import re
 
 from flask import request
@@ -11,7 +12,7 @@ from flask import request
 from common.errors import LMSPError
 
 _INTEGER = re.compile(r"[0-9]{1,12}")
-_DECIMAL = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")
+_NUMBER = re.compile(r"-?[0-9]{1,12}(\.[0-9]{1,12})?([eE][+-]?[0-9]{1,3})?")  # JSON's number, bounded
 
 
 def integer(raw: str) -> int | None:
@@ -19,9 +20,10 @@ def integer(raw: str) -> int | None:
     return int(raw) if _INTEGER.fullmatch(raw) else None
 
 
-def decimal(raw: str) -> float | None:
-    """A non-negative decimal number such as 2 or 0.5, or None when ``raw`` is not one."""
-    return float(raw) if _DECIMAL.fullmatch(raw) else None
+def number(raw: str) -> float | None:
+    """A finite number >= 0 written as JSON writes numbers (2, 0.5, 1e-05, -0.0), or None."""
+    value = float(raw) if _NUMBER.fullmatch(raw) else -1.0
+    return value if 0 <= value < math.inf else None
 
 
 def arg(name: str) -> str | None:

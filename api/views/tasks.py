@@ -123,7 +123,7 @@ def _read(svc, who: str, task_id: str) -> dict:
 def _wait_seconds(raw: str | None, cap: int) -> float:
     if raw is None:
         return 0
-    seconds = params.decimal(raw)
+    seconds = params.number(raw)
     if seconds is None:
         raise LMSPError("invalid_request", f"wait must be a number of seconds >= 0 (at most {cap} are used)",
                         param="wait")

@@ -30,10 +30,16 @@ def test_bad_list_queries_are_400_naming_the_param(alice, query, param):
     assert problem(alice.get(f"/lmsp/v1/tasks?{query}"), 400, "invalid_request")["param"] == param
 
 
-@pytest.mark.parametrize("wait", ["1_0", "%201", "%D9%A3", "1e1", "0x1", "nan", "-0"])
-def test_a_wait_that_is_not_plain_decimal_is_400(alice, wait):
+@pytest.mark.parametrize("wait", ["1_0", "%201", "%D9%A3", "0x1", "nan", "inf", "1e999", "-1", "-1e-3", ""])
+def test_a_wait_that_is_not_a_json_number_of_seconds_is_400(alice, wait):
     task = alice.task("succeeded")
     assert problem(alice.get(f"/lmsp/v1/tasks/{task.id}?wait={wait}"), 400, "invalid_request")["param"] == "wait"
+
+
+@pytest.mark.parametrize("wait", ["0", "2.5", "1e-05", "2.5E1", "-0.0"])
+def test_a_wait_written_as_json_writes_numbers_is_taken(alice, wait):
+    task = alice.task("succeeded")  # final: answered at once, however long the wait
+    assert alice.get(f"/lmsp/v1/tasks/{task.id}?wait={wait}").status_code == 200
 
 
 def test_a_repeated_wait_or_after_is_400(alice):
