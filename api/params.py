@@ -12,7 +12,7 @@ from flask import request
 from common.errors import LMSPError
 
 _INTEGER = re.compile(r"[0-9]{1,12}")
-_NUMBER = re.compile(r"-?[0-9]{1,12}(\.[0-9]{1,12})?([eE][+-]?[0-9]{1,3})?")  # JSON's number, bounded
+_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?")  # JSON's number; float() reads any length
 
 
 def integer(raw: str) -> int | None:
