@@ -8,6 +8,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Float, create_engine, event
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, NoSuchModuleError, OperationalError
@@ -102,7 +103,11 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     with _reachable(url):
-        command.upgrade(alembic_config(url), revision)
+        try:
+            command.upgrade(alembic_config(url), revision)
+        except CommandError as exc:
+            newer = "; a newer lmsp migrated it: run that version" if "locate revision" in str(exc) else ""
+            raise ConfigError(f"cannot migrate {_shown(url)}: {exc}{newer}") from None
 
 
 def downgrade(url: str, revision: str = "base") -> None:
@@ -114,10 +119,18 @@ def ensure_migrated(engine: Engine) -> None:
     head = ScriptDirectory.from_config(alembic_config(str(engine.url))).get_current_head()
     with _reachable(engine.url), engine.connect() as conn:
         current = MigrationContext.configure(conn).get_current_revision()
+    if current is not None and current != head and current not in _known_revisions():
+        raise NotMigrated(
+            f"database {engine.url.render_as_string(hide_password=True)} is at migration {current}, which "
+            f"this code does not know (the code needs {head}): a newer lmsp migrated it; run that version")
     if current != head:
         raise NotMigrated(
             f"database {engine.url.render_as_string(hide_password=True)} is at migration "
             f"{current or 'none'}, the code needs {head}: run `lmsp migrate` first")
+
+
+def _known_revisions() -> set[str]:
+    return {script.revision for script in ScriptDirectory.from_config(alembic_config("")).walk_revisions()}
 
 
 def retrying(fn, *, seconds: float = 300.0, log=None, stop=None):

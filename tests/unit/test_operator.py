@@ -163,3 +163,11 @@ def test_dev_exits_non_zero_when_a_child_dies(env, capsys, tmp_path, monkeypatch
     monkeypatch.setattr(cli.subprocess, "Popen", _Child)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     fails_with(capsys, ("dev",), "the worker of m:1 exited with status 3")
+
+
+def test_a_database_migrated_by_a_newer_lmsp_says_so(env, capsys, tmp_path):
+    import sqlite3
+    with sqlite3.connect(tmp_path / "lmsp.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = '0999'")
+    fails_with(capsys, ("tokens", "list"), "0999", "newer lmsp")
+    fails_with(capsys, ("migrate",), "0999", "newer lmsp")
