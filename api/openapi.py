@@ -146,6 +146,7 @@ def errors(*extra: tuple, auth: bool = True) -> dict:
         groups[403] = (["insufficient_scope"], ["The token lacks the operation's scope."])
         groups[429] = (["rate_limited"], ["Too many requests for this principal, or too many bad tokens "
                                           "from this address."])
+        groups[503] = (["overloaded"], ["The database is unavailable for now (every token is checked there)."])
     for status, *items in extra:
         codes, notes = groups.setdefault(status, ([], []))
         for item in items:

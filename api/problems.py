@@ -5,6 +5,8 @@ import logging
 import re
 
 from flask import Flask, Response, request
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import WebsocketMismatch
 from wsproto.utilities import RemoteProtocolError
@@ -91,6 +93,18 @@ def init_app(app: Flask) -> None:
         named = re.search(r"header, '([A-Za-z-]+)", str(exc))  # wsproto: "Missing header, 'Sec-WebSocket-Key'"
         return problem_response(problem("invalid_request", f"Not a valid WebSocket handshake: {exc}",
                                         instance=request.path, param=named and named.group(1)), headers)
+
+    @app.errorhandler(DBAPIError)
+    @app.errorhandler(PoolTimeout)
+    def _database(exc: Exception):
+        # The database is down, restarting or out of connections: the client should retry, as for a
+        # 503 (and the lmsp client does), not take it for a bug of ours.
+        if isinstance(exc, DBAPIError) and not (isinstance(exc, OperationalError) or exc.connection_invalidated):
+            return _unexpected(exc)
+        log.warning("database unavailable on %s %s: %s", request.method, request.path,
+                    str(getattr(exc, "orig", None) or exc).strip().splitlines()[0])
+        return error_response(LMSPError("overloaded", "The database is unavailable right now; retry shortly",
+                                        retry_after=5))
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):

@@ -1,6 +1,6 @@
 """What an operator gets wrong: the environment, the models file, the database. Every entry point
 (`lmsp ...`, the worker, gunicorn's api.wsgi) says in one line what is wrong and what to do, and
-exits non-zero; never a traceback."""
+exits non-zero; never a traceback. And while the database is away, clients are told to retry."""
 
 import os
 import subprocess
@@ -13,6 +13,7 @@ from common.db import upgrade
 from common.settings import get_settings
 from lmsp import cli
 from tests.harness import free_port
+from tests.unit.conftest import problem
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,3 +172,16 @@ def test_a_database_migrated_by_a_newer_lmsp_says_so(env, capsys, tmp_path):
         db.execute("UPDATE alembic_version SET version_num = '0999'")
     fails_with(capsys, ("tokens", "list"), "0999", "newer lmsp")
     fails_with(capsys, ("migrate",), "0999", "newer lmsp")
+
+
+def test_while_the_database_is_away_clients_get_503_and_retry_after(unit, alice, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    import api.auth
+
+    def down(*_):
+        raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+
+    monkeypatch.setattr(api.auth, "authenticate", down)
+    resp = alice.get("/lmsp/v1/models")
+    assert problem(resp, 503, "overloaded") and resp.headers["Retry-After"] == "5"
