@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 from celery.signals import worker_shutting_down
 
@@ -28,14 +29,18 @@ log = logging.getLogger("lmsp.worker")
 
 
 def build(model_id: str, gpu: int | None) -> WorkerContext:
-    from worker.engine import EngineHost, kill_stale_engines
-
     settings = get_settings()
     try:
         spec = Registry.load(settings.models_path).get(model_id)
     except LMSPError:
         sys.exit(f"lmsp worker: no model {model_id!r} in {settings.models_path}; "
                  "`lmsp models list` shows them, `make model` imports the default")
+    checkpoint = Path(spec.checkpoint).expanduser()
+    if checkpoint.is_absolute() and not (checkpoint / "config.json").is_file():  # else a hub id, for vLLM
+        raise ConfigError(f"model {model_id}: {checkpoint} is not a checkpoint folder (no config.json); "
+                          f"fix its checkpoint in {settings.models_path} or import it again with "
+                          "`lmsp models import-gguf FILE --id ID`")
+    from worker.engine import EngineHost, kill_stale_engines  # vLLM: seconds to import, so after the checks
     worker_id = settings.worker_id or f"{socket.gethostname()}:{model_id}" + (f":gpu{gpu}" if gpu is not None else "")
     # A paused worker must not hold rows inside a transaction forever (a takeover waits on them).
     connect = {"connect_args": {"options": "-c idle_in_transaction_session_timeout=5000"}} \

@@ -185,3 +185,15 @@ def test_while_the_database_is_away_clients_get_503_and_retry_after(unit, alice,
     monkeypatch.setattr(api.auth, "authenticate", down)
     resp = alice.get("/lmsp/v1/models")
     assert problem(resp, 503, "overloaded") and resp.headers["Retry-After"] == "5"
+
+
+def test_a_worker_whose_checkpoint_is_missing_says_so_before_loading(env, tmp_path):
+    import yaml
+
+    from tests.harness import model_entry
+    from worker import main as worker_main
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [
+        model_entry("m:1", checkpoint=str(tmp_path / "gone"))]}))
+    with pytest.raises(SystemExit) as exit_:
+        worker_main.run("m:1")
+    assert str(exit_.value.code).startswith(f"lmsp worker: model m:1: {tmp_path / 'gone'} is not a checkpoint")
