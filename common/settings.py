@@ -6,7 +6,7 @@ on the filesystem and no Redis, all under ``LMSP_HOME``.
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +19,11 @@ class ConfigError(Exception):
 
 def _home() -> Path:
     return Path.home() / ".cache" / "lmsp"
+
+
+# A period something runs at (0 would spin a loop), and a size or limit (0 would refuse everything).
+Interval = Annotated[float, Field(gt=0)]
+Count = Annotated[int, Field(ge=1)]
 
 
 class Settings(BaseSettings):
@@ -35,23 +40,23 @@ class Settings(BaseSettings):
     record_retention_seconds: int = 30 * 24 * 3600
     idempotency_retention_seconds: int = 24 * 3600
     # Worker liveness.
-    lease_seconds: int = 30
-    heartbeat_seconds: float = 5.0
-    sweep_seconds: float = 10.0
+    lease_seconds: Count = 30
+    heartbeat_seconds: Interval = 5.0
+    sweep_seconds: Interval = 10.0
     requeue_after_seconds: int = 60   # a queued task older than this with no claim is dispatched again
     drain_seconds: float = 120.0      # SIGTERM: running generations get this long before they are handed on
     # Event pipeline.
     delta_window_ms: float = 20.0     # coalesce token deltas over this window ...
-    delta_max_tokens: int = 16        # ... or this many tokens, whichever first
-    sse_heartbeat_seconds: float = 0.5
-    poll_interval_seconds: float = 0.05  # how often followers re-read the log without Redis
+    delta_max_tokens: Count = 16        # ... or this many tokens, whichever first
+    sse_heartbeat_seconds: Interval = 0.5
+    poll_interval_seconds: Interval = 0.05  # how often followers re-read the log without Redis
     max_task_wait_seconds: int = 30      # cap of GET /tasks/{id}?wait=N (long poll)
     # Limits (spec 10).
-    max_body_bytes: int = 1024 * 1024
-    max_json_depth: int = 32
-    max_input_items: int = 1024
+    max_body_bytes: Count = 1024 * 1024
+    max_json_depth: Count = 32
+    max_input_items: Count = 1024
     max_tools: int = 128
-    max_string_chars: int = 512 * 1024
+    max_string_chars: Count = 512 * 1024
     rate_limit_per_second: float = 50.0
     rate_limit_burst: int = 100
     max_queued_tasks_per_principal: int = 1000
@@ -59,15 +64,15 @@ class Settings(BaseSettings):
     # Open streams and other long requests (SSE, WebSocket, direct responses): one api thread each.
     stream_reserved_threads: int = 16   # per process, kept for health probes and short requests
     max_streams_per_principal: int = 32  # per process
-    stream_auth_recheck_seconds: float = 5.0  # how often an open stream checks its token is not revoked
-    ws_ping_seconds: float = 10.0        # a WebSocket client that misses a pong for this long is dropped
+    stream_auth_recheck_seconds: Interval = 5.0  # how often an open stream checks its token is not revoked
+    ws_ping_seconds: Interval = 10.0        # a WebSocket client that misses a pong for this long is dropped
     auth_failures_per_minute: int = 30   # bad tokens per client address before 429 (no database lookup)
-    idempotency_heartbeat_seconds: float = 10.0  # an in-flight key unrefreshed for 3 beats is abandoned
+    idempotency_heartbeat_seconds: Interval = 10.0  # an in-flight key unrefreshed for 3 beats is abandoned
     # Structured-output grammars (the constrained-decoding compile budget).
-    grammar_max_nodes: int = 4096        # JSON values in the schema
-    grammar_max_depth: int = 24          # JSON nesting within the schema
-    grammar_max_alternatives: int = 256  # anyOf/oneOf branches, a nested one counted once per enclosing branch
-    grammar_compile_timeout_seconds: float = 5.0
+    grammar_max_nodes: Count = 4096        # JSON values in the schema
+    grammar_max_depth: Count = 24          # JSON nesting within the schema
+    grammar_max_alternatives: Count = 256  # anyOf/oneOf branches, a nested one counted once per enclosing branch
+    grammar_compile_timeout_seconds: Interval = 5.0
     # Server.
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)

@@ -56,8 +56,10 @@ def test_a_setting_that_does_not_parse_is_one_line(env, capsys, args):
 
 
 def test_out_of_range_settings_are_named_together(env, capsys):
-    env(port="99999", api_workers="0")
-    fails_with(capsys, ("serve",), "LMSP_PORT='99999'", "LMSP_API_WORKERS='0'")
+    # A zero heartbeat would spin every open stream's loop; a negative body limit refuses every body.
+    env(port="99999", api_workers="0", sse_heartbeat_seconds="0", max_body_bytes="-1")
+    fails_with(capsys, ("serve",), "LMSP_PORT='99999'", "LMSP_API_WORKERS='0'", "LMSP_SSE_HEARTBEAT_SECONDS='0'",
+               "LMSP_MAX_BODY_BYTES='-1'")
 
 
 @pytest.mark.parametrize("url, words", [
