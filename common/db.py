@@ -25,7 +25,8 @@ class NotMigrated(ConfigError):
     pass
 
 
-def _shown(url) -> str:
+def shown_url(url) -> str:
+    """A database URL (str or sqlalchemy URL) fit for a message: no password (a str may not parse)."""
     return make_url(url).render_as_string(hide_password=True) if not isinstance(url, str) else \
         re.sub(r"//[^@/]*@", "//***@", url)
 
@@ -36,11 +37,11 @@ def _reachable(url):
     try:
         yield
     except (ArgumentError, NoSuchModuleError) as exc:
-        raise ConfigError(f"LMSP_DATABASE_URL {_shown(url)!r} is not a database URL ({exc}); use e.g. "
+        raise ConfigError(f"LMSP_DATABASE_URL {shown_url(url)!r} is not a database URL ({exc}); use e.g. "
                           "postgresql://user:password@host/db or sqlite:///path/to/lmsp.db") from None
     except (OperationalError, InterfaceError, OSError) as exc:  # OSError: a SQLite folder we cannot make
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        raise ConfigError(f"cannot reach the database {_shown(url)}: {reason}; check LMSP_DATABASE_URL "
+        raise ConfigError(f"cannot reach the database {shown_url(url)}: {reason}; check LMSP_DATABASE_URL "
                           "and that the server is up") from None
 
 
@@ -107,7 +108,7 @@ def upgrade(url: str, revision: str = "head") -> None:
             command.upgrade(alembic_config(url), revision)
         except CommandError as exc:
             newer = "; a newer lmsp migrated it: run that version" if "locate revision" in str(exc) else ""
-            raise ConfigError(f"cannot migrate {_shown(url)}: {exc}{newer}") from None
+            raise ConfigError(f"cannot migrate {shown_url(url)}: {exc}{newer}") from None
 
 
 def downgrade(url: str, revision: str = "base") -> None:
@@ -121,11 +122,11 @@ def ensure_migrated(engine: Engine) -> None:
         current = MigrationContext.configure(conn).get_current_revision()
     if current is not None and current != head and current not in _known_revisions():
         raise NotMigrated(
-            f"database {engine.url.render_as_string(hide_password=True)} is at migration {current}, which "
+            f"database {shown_url(engine.url)} is at migration {current}, which "
             f"this code does not know (the code needs {head}): a newer lmsp migrated it; run that version")
     if current != head:
         raise NotMigrated(
-            f"database {engine.url.render_as_string(hide_password=True)} is at migration "
+            f"database {shown_url(engine.url)} is at migration "
             f"{current or 'none'}, the code needs {head}: run `lmsp migrate` first")
 
 

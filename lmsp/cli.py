@@ -58,9 +58,9 @@ def _sessions():
 
 
 def migrate() -> None:
-    from common.db import upgrade
+    from common.db import shown_url, upgrade
     url = get_settings().db_url
-    say(f"migrating {re.sub(r'//[^@/]*@', '//***@', url)}")
+    say(f"migrating {shown_url(url)}")
     upgrade(url)
     say("database is at the latest migration")
 
