@@ -8,6 +8,7 @@ from flask import Flask, Response, request
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.routing import WebsocketMismatch
 from wsproto.utilities import RemoteProtocolError
 
@@ -36,6 +37,12 @@ def error_response(exc: LMSPError) -> Response:
     return problem_response(exc.to_problem(instance=request.path), headers)
 
 
+def _unnamed(status: int, name: str, detail: str) -> Response:
+    """A problem document for an HTTP status that has no LMSP error code (RFC 9457's about:blank)."""
+    return problem_response({"type": "about:blank", "title": name, "status": status,
+                             "code": name.lower().replace(" ", "_"), "detail": detail, "instance": request.path})
+
+
 def init_app(app: Flask) -> None:
     @app.before_request
     def _version():
@@ -61,6 +68,12 @@ def init_app(app: Flask) -> None:
 
     @app.after_request
     def _stamp(resp: Response) -> Response:
+        if resp.status_code >= 400 and resp.mimetype != "application/problem+json":
+            # An answer werkzeug makes itself, not through an error handler: a static file's failed
+            # If-Match (412) or unsatisfiable Range (416) comes with the file's own body and type.
+            status = resp.status_code
+            resp = _unnamed(status, HTTP_STATUS_CODES.get(status, "Error"), "A precondition or range of "
+                            "this request does not hold")
         resp.headers["LMSP-Version"] = VERSION
         return resp
 
@@ -72,9 +85,7 @@ def init_app(app: Flask) -> None:
     def _http(exc: HTTPException):
         code = _HTTP_CODES.get(exc.code)
         if code is None:
-            return problem_response({"type": "about:blank", "title": exc.name, "status": exc.code,
-                                     "code": exc.name.lower().replace(" ", "_"), "detail": exc.description,
-                                     "instance": request.path})
+            return _unnamed(exc.code, exc.name, exc.description)
         detail = {404: f"No route {request.path}; the API lives under /lmsp/v1",
                   405: f"{request.method} is not allowed on {request.path}",
                   413: "The request body is larger than the limit"}.get(exc.code, exc.description)

@@ -198,3 +198,14 @@ def test_a_compressed_body_is_415_not_a_puzzle(unit, alice):
     resp = alice.post("/lmsp/v1/tasks", data=gzip.compress(json.dumps(task_body()).encode()),
                       content_type="application/json", headers={"Content-Encoding": "gzip"})
     assert "Content-Encoding gzip" in problem(resp, 415, "unsupported_media_type")["detail"]
+
+
+@pytest.mark.parametrize("path, headers, status", [
+    ("/", {"If-Match": '"not-this"'}, 412),
+    ("/static/app.js", {"Range": "bytes=999999999-"}, 416),
+])
+def test_werkzeugs_own_refusals_are_problem_documents_too(unit, path, headers, status):
+    resp = unit.anonymous.get(path, headers=headers)
+    assert resp.status_code == status and resp.mimetype == "application/problem+json", resp.get_data()[:80]
+    doc = resp.get_json()
+    assert doc["status"] == status and doc["title"] and doc["detail"] and resp.headers["LMSP-Version"] == "1.0"
