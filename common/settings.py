@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -83,6 +83,17 @@ class Settings(BaseSettings):
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(9400, ge=0, le=65535)  # 0: no port; a supervisor gives its Nth child port + N
 
+    @field_validator("redis_url", "broker_url")
+    @classmethod
+    def _url(cls, value: str, info) -> str:
+        """Empty (the default) or a URL: a typo would otherwise be a traceback at start (redis) or a
+        broker that never answers (kombu)."""
+        if value and "://" not in value:
+            raise ValueError("must be a URL such as redis://host:6379/0, or empty for the default")
+        if info.field_name == "redis_url" and value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL, or empty for no Redis")
+        return value
+
     @property
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'lmsp.db'}"
@@ -110,7 +121,7 @@ def load_settings() -> Settings:
         return Settings()
     except ValidationError as exc:
         raise ConfigError("; ".join(
-            f"LMSP_{'_'.join(map(str, err['loc'])).upper()}={err['input']!r} is not valid ({err['msg']})"
+            f"LMSP_{'_'.join(map(str, err['loc'])).upper()}={err['input']!r} is not valid ({err['msg'].removeprefix('Value error, ')})"
             for err in exc.errors()) + ": fix or unset it") from None
 
 

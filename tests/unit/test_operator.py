@@ -55,6 +55,13 @@ def test_a_setting_that_does_not_parse_is_one_line(env, capsys, args):
     fails_with(capsys, args, "LMSP_PORT='abc'", "fix or unset it")
 
 
+@pytest.mark.parametrize("name, value", [("redis_url", "localhost:6379"), ("redis_url", "http://x"),
+                                         ("broker_url", "redis")])
+def test_a_redis_or_broker_url_that_is_not_one_is_one_line(env, capsys, name, value):
+    env(**{name: value})
+    fails_with(capsys, ("tokens", "list"), f"LMSP_{name.upper()}={value!r}", "URL")
+
+
 def test_out_of_range_settings_are_named_together(env, capsys):
     # A zero heartbeat would spin every open stream's loop; a negative body limit refuses every body.
     env(port="99999", api_workers="0", sse_heartbeat_seconds="0", max_body_bytes="-1")
