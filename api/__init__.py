@@ -43,7 +43,9 @@ def create_app(settings: Settings | None = None) -> Flask:
                             settings.max_streams_per_principal),
         grammars=GrammarGate(settings),
         claims=Claims(sessions, settings.idempotency_heartbeat_seconds))
-    app.config["SOCK_SERVER_OPTIONS"] = {"ping_interval": settings.ws_ping_seconds}  # notice dead clients
+    # Pings notice dead clients; a client message (none is expected) over the cap closes the socket
+    # instead of growing in memory.
+    app.config["SOCK_SERVER_OPTIONS"] = {"ping_interval": settings.ws_ping_seconds, "max_message_size": 65536}
     # Tokenizers count input tokens on every request: load them now, once, not inside the first
     # requests (transformers' lazy imports are not safe to race from many threads).
     for spec in app.extensions["lmsp"].registry.models.values():

@@ -5,6 +5,7 @@ JSONB refuses it) and no lone surrogate (it cannot be encoded, so hashing or tok
 """
 
 import json
+import math
 
 from flask import request
 
@@ -20,6 +21,36 @@ def param_of(path: tuple) -> str:
     return out
 
 
+class _Object(dict):
+    """A JSON object as parsed, remembering a key it held twice: which value would win is a parser's
+    whim (RFC 8259 4), and two requests that differ there must not hash alike for Idempotency-Key."""
+    duplicate = None
+
+
+def _object(pairs: list) -> _Object:
+    out = _Object(pairs)
+    if len(out) < len(pairs):
+        seen = set()
+        out.duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+    return out
+
+
+MAX_INTEGER_DIGITS = 64
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INTEGER_DIGITS:  # int() itself gives up at 4300, in words of its own
+        raise ValueError(f"{text[:20]}... has more than {MAX_INTEGER_DIGITS} digits")
+    return int(text)
+
+
+def _number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: no JSON (nor Postgres JSONB) can hold the infinity it becomes
+        raise ValueError(f"{text[:20]} is out of range for a number")
+    return value
+
+
 def _check(value, settings, path: tuple, level: int) -> None:
     if level > settings.max_json_depth:
         raise LMSPError("invalid_request", f"JSON is nested deeper than {settings.max_json_depth} levels",
@@ -27,6 +58,9 @@ def _check(value, settings, path: tuple, level: int) -> None:
     if isinstance(value, str):
         _string(value, settings, path)
     elif isinstance(value, dict):
+        if value.duplicate is not None:
+            param = param_of(path + (value.duplicate,))
+            raise LMSPError("invalid_request", f"{param} is given twice; give each member once", param=param)
         for k, v in value.items():
             _string(k, settings, path + (k,))
             _check(v, settings, path + (k,), level + 1)
@@ -56,13 +90,18 @@ def json_body():
     mimetype = request.mimetype or ""
     if mimetype != "application/json" and not mimetype.endswith("+json"):
         raise LMSPError("unsupported_media_type", "Send the body as JSON with Content-Type: application/json")
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if coding not in ("", "identity"):  # RFC 7694: else a gzip body reads as "not valid UTF-8"
+        raise LMSPError("unsupported_media_type", f"Content-Encoding {coding} is not accepted; send the body "
+                        "uncompressed")
     raw = request.get_data(cache=True)  # werkzeug enforces MAX_CONTENT_LENGTH -> 413
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise LMSPError("invalid_request", "The body is not valid UTF-8") from None
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, parse_int=_integer,
+                          parse_float=_number, object_pairs_hook=_object)
     except ValueError as exc:
         raise LMSPError("invalid_request", f"The body is not valid JSON: {exc}") from None
     except RecursionError:

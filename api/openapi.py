@@ -15,6 +15,7 @@ from api.auth import require
 from common import wire
 from common.errors import CODES
 from common.protocol import ResponseRequest, TaskRequest
+from common.states import STATES
 from common.tokens import RESERVED_SCOPES, SCOPES
 from common.wire import API, VERSION
 
@@ -52,6 +53,7 @@ def _sse(description: str) -> dict:
 
 
 # -- parameters, headers, responses -------------------------------------------------------------
+_STATES = "|".join(STATES)
 PARAMETERS = {
     "LMSPVersion": {"name": "LMSP-Version", "in": "header", "required": False,
                     "description": "Protocol version the client speaks; another major version answers "
@@ -70,11 +72,13 @@ PARAMETERS = {
               "description": "Replay only events with a greater id; wins over Last-Event-ID (spec 6.4)",
               "schema": {"type": "integer", "minimum": 0, "maximum": 999999999999}},
     "State": {"name": "state", "in": "query", "required": False,
-              "description": "Only tasks in these states (comma-separated)", "schema": {"type": "string"}},
+              "description": "Only tasks in these states (comma-separated)",
+              "schema": {"type": "string", "pattern": f"^({_STATES})?(,({_STATES})?)*$"}},
     "Limit": {"name": "limit", "in": "query", "required": False,
               "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
     "Cursor": {"name": "cursor", "in": "query", "required": False,
-               "description": "The `next_cursor` of the previous page", "schema": {"type": "string"}},
+               "description": "The `next_cursor` of the previous page",
+               "schema": {"type": "string", "pattern": "^(task_[0-9A-HJKMNP-TV-Z]{26})?$"}},
     "Ticket": {"name": "ticket", "in": "query", "required": False,
                "description": "A stream ticket (POST .../events/ticket) instead of the Authorization header",
                "schema": {"type": "string"}},
@@ -142,6 +146,7 @@ def errors(*extra: tuple, auth: bool = True) -> dict:
         groups[403] = (["insufficient_scope"], ["The token lacks the operation's scope."])
         groups[429] = (["rate_limited"], ["Too many requests for this principal, or too many bad tokens "
                                           "from this address."])
+        groups[503] = (["overloaded"], ["The database is unavailable for now (every token is checked there)."])
     for status, *items in extra:
         codes, notes = groups.setdefault(status, ([], []))
         for item in items:
@@ -285,14 +290,15 @@ def _paths() -> dict:
             "tasks:read",
             {"101": {"description": "Switching protocols. One text frame per event (WebSocketFrame: "
                                     "`{\"id\":n,\"event\":name,\"data\":{...}}`); the server closes with "
-                                    "1000 after the final event. Problems found after the handshake "
-                                    "(missing scope, unknown task, expired history, bad `after`) end the "
-                                    "connection instead of answering with a status.",
+                                    "1000 after the final event; 1008 when the token is revoked, 1012 when "
+                                    "the server restarts, 1011 when the stream fails (reconnect with `after`).",
                      "headers": _headers(),
                      "x-lmsp-frame": ref("WebSocketFrame")},
-             # flask-sock runs the view (and so the scope check) after the handshake: no 403 status.
-             **{k: v for k, v in errors((400, "invalid_request", "Not a WebSocket handshake")).items()
-                if k != "403"}},
+             # Scope, task, capability, retention and `after` are checked before the handshake (events.py's
+             # _ws_preflight), so they answer with a status, as on the SSE endpoint.
+             **errors((400, "invalid_request", "unsupported_capability",
+                       "Not a WebSocket handshake (param names the header), or a bad `after`"),
+                      (404, "task_not_found"), (410, "event_history_expired"))},
             description="Same events and resumption (`after`, Last-Event-ID) as the SSE endpoint.",
             params=["TaskId", "After", "LastEventId"])},
     }

@@ -5,7 +5,12 @@ import logging
 import re
 
 from flask import Flask, Response, request
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import HTTP_STATUS_CODES
+from werkzeug.routing import WebsocketMismatch
+from wsproto.utilities import RemoteProtocolError
 
 from common.errors import LMSPError, problem
 from common.wire import VERSION
@@ -30,6 +35,12 @@ def error_response(exc: LMSPError) -> Response:
     if exc.code == "unauthorized":
         headers["WWW-Authenticate"] = 'Bearer realm="lmsp"'
     return problem_response(exc.to_problem(instance=request.path), headers)
+
+
+def _unnamed(status: int, name: str, detail: str) -> Response:
+    """A problem document for an HTTP status that has no LMSP error code (RFC 9457's about:blank)."""
+    return problem_response({"type": "about:blank", "title": name, "status": status,
+                             "code": name.lower().replace(" ", "_"), "detail": detail, "instance": request.path})
 
 
 def init_app(app: Flask) -> None:
@@ -57,6 +68,12 @@ def init_app(app: Flask) -> None:
 
     @app.after_request
     def _stamp(resp: Response) -> Response:
+        if resp.status_code >= 400 and resp.mimetype != "application/problem+json":
+            # An answer werkzeug makes itself, not through an error handler: a static file's failed
+            # If-Match (412) or unsatisfiable Range (416) comes with the file's own body and type.
+            status = resp.status_code
+            resp = _unnamed(status, HTTP_STATUS_CODES.get(status, "Error"), "A precondition or range of "
+                            "this request does not hold")
         resp.headers["LMSP-Version"] = VERSION
         return resp
 
@@ -68,14 +85,37 @@ def init_app(app: Flask) -> None:
     def _http(exc: HTTPException):
         code = _HTTP_CODES.get(exc.code)
         if code is None:
-            return problem_response({"type": "about:blank", "title": exc.name, "status": exc.code,
-                                     "code": exc.name.lower().replace(" ", "_"), "detail": exc.description,
-                                     "instance": request.path})
+            return _unnamed(exc.code, exc.name, exc.description)
         detail = {404: f"No route {request.path}; the API lives under /lmsp/v1",
                   405: f"{request.method} is not allowed on {request.path}",
                   413: "The request body is larger than the limit"}.get(exc.code, exc.description)
+        if isinstance(exc, WebsocketMismatch):  # werkzeug's own words blame "the browser (or proxy)"
+            detail = ("Only GET /lmsp/v1/tasks/{task_id}/ws takes a WebSocket upgrade" if request.environ.get(
+                "HTTP_UPGRADE", "").lower() == "websocket" else "This route takes only a WebSocket upgrade "
+                "(Connection: Upgrade, Upgrade: websocket); GET .../events streams the same events over SSE")
         headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
         return problem_response(problem(code, detail, instance=request.path), headers)
+
+    @app.errorhandler(RemoteProtocolError)
+    def _handshake(exc: RemoteProtocolError):
+        # flask-sock shakes hands before the view runs; a client's bad handshake is its error, not ours.
+        hint = exc.event_hint
+        headers = {k.decode(): v.decode() for k, v in getattr(hint, "headers", None) or []}
+        named = re.search(r"header, '([A-Za-z-]+)", str(exc))  # wsproto: "Missing header, 'Sec-WebSocket-Key'"
+        return problem_response(problem("invalid_request", f"Not a valid WebSocket handshake: {exc}",
+                                        instance=request.path, param=named and named.group(1)), headers)
+
+    @app.errorhandler(DBAPIError)
+    @app.errorhandler(PoolTimeout)
+    def _database(exc: Exception):
+        # The database is down, restarting or out of connections: the client should retry, as for a
+        # 503 (and the lmsp client does), not take it for a bug of ours.
+        if isinstance(exc, DBAPIError) and not (isinstance(exc, OperationalError) or exc.connection_invalidated):
+            return _unexpected(exc)
+        log.warning("database unavailable on %s %s: %s", request.method, request.path,
+                    str(getattr(exc, "orig", None) or exc).strip().splitlines()[0])
+        return error_response(LMSPError("overloaded", "The database is unavailable right now; retry shortly",
+                                        retry_after=5))
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):

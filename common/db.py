@@ -1,5 +1,6 @@
 """Database engine, sessions and migrations (Alembic, run from code)."""
 
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -7,17 +8,41 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Float, create_engine, event
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, NoSuchModuleError, OperationalError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql.expression import FunctionElement
 
+from common.settings import ConfigError
+
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
 
-class NotMigrated(RuntimeError):
+class NotMigrated(ConfigError):
     pass
+
+
+def shown_url(url) -> str:
+    """A database URL (str or sqlalchemy URL) fit for a message: no password (a str may not parse)."""
+    return make_url(url).render_as_string(hide_password=True) if not isinstance(url, str) else \
+        re.sub(r"//[^@/]*@", "//***@", url)
+
+
+@contextmanager
+def _reachable(url):
+    """Turn "no such database server" and "not a database URL" into one line for the operator."""
+    try:
+        yield
+    except (ArgumentError, NoSuchModuleError) as exc:
+        raise ConfigError(f"LMSP_DATABASE_URL {shown_url(url)!r} is not a database URL ({exc}); use e.g. "
+                          "postgresql://user:password@host/db or sqlite:///path/to/lmsp.db") from None
+    except (OperationalError, InterfaceError, OSError) as exc:  # OSError: a SQLite folder we cannot make
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise ConfigError(f"cannot reach the database {shown_url(url)}: {reason}; check LMSP_DATABASE_URL "
+                          "and that the server is up") from None
 
 
 def normalize_url(url: str) -> str:
@@ -29,7 +54,11 @@ def normalize_url(url: str) -> str:
 
 
 def make_engine(url: str, **kwargs) -> Engine:
-    url = normalize_url(url)
+    with _reachable(url):
+        return _make_engine(normalize_url(url), **kwargs)
+
+
+def _make_engine(url: str, **kwargs) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
@@ -74,7 +103,12 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(url), revision)
+    with _reachable(url):
+        try:
+            command.upgrade(alembic_config(url), revision)
+        except CommandError as exc:
+            newer = "; a newer lmsp migrated it: run that version" if "locate revision" in str(exc) else ""
+            raise ConfigError(f"cannot migrate {shown_url(url)}: {exc}{newer}") from None
 
 
 def downgrade(url: str, revision: str = "base") -> None:
@@ -84,12 +118,20 @@ def downgrade(url: str, revision: str = "base") -> None:
 def ensure_migrated(engine: Engine) -> None:
     """Refuse to run against a database that is not at the latest migration."""
     head = ScriptDirectory.from_config(alembic_config(str(engine.url))).get_current_head()
-    with engine.connect() as conn:
+    with _reachable(engine.url), engine.connect() as conn:
         current = MigrationContext.configure(conn).get_current_revision()
+    if current is not None and current != head and current not in _known_revisions():
+        raise NotMigrated(
+            f"database {shown_url(engine.url)} is at migration {current}, which "
+            f"this code does not know (the code needs {head}): a newer lmsp migrated it; run that version")
     if current != head:
         raise NotMigrated(
-            f"database {engine.url.render_as_string(hide_password=True)} is at migration "
+            f"database {shown_url(engine.url)} is at migration "
             f"{current or 'none'}, the code needs {head}: run `lmsp migrate` first")
+
+
+def _known_revisions() -> set[str]:
+    return {script.revision for script in ScriptDirectory.from_config(alembic_config("")).walk_revisions()}
 
 
 def retrying(fn, *, seconds: float = 300.0, log=None, stop=None):
@@ -100,8 +142,6 @@ def retrying(fn, *, seconds: float = 300.0, log=None, stop=None):
     (a threading.Event) ends the wait early: the error is raised.
     """
     import time
-
-    from sqlalchemy.exc import DBAPIError, OperationalError
 
     deadline = time.monotonic() + seconds
     delay = 0.1

@@ -36,6 +36,9 @@ def _read_marker(out_dir: Path) -> dict | None:
 def convert_gguf(gguf_file: Path, out_dir: Path, progress: Callable[[str], None]) -> dict:
     """Convert gguf_file into a safetensors checkpoint at out_dir; no-op if already done."""
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    with gguf_file.open("rb") as f:  # before hashing gigabytes of something else
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{gguf_file} is not a GGUF file (it does not start with the bytes GGUF)")
     progress(f"hashing {gguf_file}")
     sha256 = _sha256(gguf_file)
     marker = _read_marker(out_dir)

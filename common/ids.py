@@ -1,6 +1,7 @@
 """ULID-based ids with the spec's prefixes (``resp_01J8...``)."""
 
 import os
+import re
 import time
 
 _ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32
@@ -28,3 +29,10 @@ def ulid() -> str:
 
 def new_id(kind: str) -> str:
     return f"{PREFIXES[kind]}_{ulid()}"
+
+
+def is_id(kind: str, text: str) -> bool:
+    """Whether ``text`` has the shape of an id ``new_id(kind)`` makes. Anything else names nothing, so
+    it is answered without a lookup: a client's NUL byte or megabyte-long id never reaches the
+    database (Postgres refuses NUL in text and would turn a 404 into a 500)."""
+    return re.fullmatch(f"{PREFIXES[kind]}_[{_ALPHABET}]{{26}}", text) is not None

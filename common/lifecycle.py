@@ -20,7 +20,7 @@ from common import eventlog, events
 from common.db import db_now
 from common.errors import LMSPError, problem
 from common.events import dumps
-from common.ids import new_id
+from common.ids import is_id, new_id
 from common.states import (
     CANCELLED,
     CANCELLING,
@@ -377,7 +377,8 @@ def expired_workers(session: Session, lease_seconds: float, me: str) -> list[str
 
 def require_task(session: Session, principal: str, task_id: str) -> Task:
     task = session.execute(select(Task).where(Task.id == task_id, Task.principal_id == principal)
-                           .execution_options(populate_existing=True)).scalar_one_or_none()
+                           .execution_options(populate_existing=True)).scalar_one_or_none() \
+        if is_id("task", task_id) else None
     if task is None:
         raise LMSPError("task_not_found", f"No task {task_id}")
     return task

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from common.errors import LMSPError
+from common.settings import ConfigError
 
 
 class Capabilities(BaseModel):
@@ -69,8 +70,28 @@ class Registry:
     def load(cls, path: Path) -> "Registry":
         if not path.exists():
             return cls([])
-        raw = yaml.safe_load(path.read_text()) or {}
-        return cls([ModelSpec(**entry) for entry in raw.get("models", [])])
+        fix = "fix it, or register models with `lmsp models import-gguf FILE --id ID`"
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the models file {path} ({exc}): check LMSP_MODELS_FILE") from None
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"the models file {path} is not valid YAML{at}: {fix}") from None
+        entries = raw.get("models") if isinstance(raw, dict) else None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ConfigError(f"the models file {path} must be a mapping with a `models:` list of models: {fix}")
+        specs = []
+        for i, entry in enumerate(entries):
+            try:
+                specs.append(ModelSpec(**entry))
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                field = ".".join(map(str, err["loc"]))
+                raise ConfigError(f"the models file {path}: model {i + 1} ({entry.get('id', 'no id')}): "
+                                  f"{field}: {err['msg']}: {fix}") from None
+        return cls(specs)
 
     def get(self, model_id: str) -> ModelSpec:
         try:

@@ -6,13 +6,24 @@ on the filesystem and no Redis, all under ``LMSP_HOME``.
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConfigError(Exception):
+    """The operator's configuration (environment, models file, database) is wrong. The message is one
+    line saying what is wrong and what to do; entry points print it and exit non-zero, no traceback."""
 
 
 def _home() -> Path:
     return Path.home() / ".cache" / "lmsp"
+
+
+# A period something runs at (0 would spin a loop), and a size or limit (0 would refuse everything).
+Interval = Annotated[float, Field(gt=0)]
+Count = Annotated[int, Field(ge=1)]
 
 
 class Settings(BaseSettings):
@@ -29,24 +40,24 @@ class Settings(BaseSettings):
     record_retention_seconds: int = 30 * 24 * 3600
     idempotency_retention_seconds: int = 24 * 3600
     # Worker liveness.
-    lease_seconds: int = 30
-    heartbeat_seconds: float = 5.0
-    sweep_seconds: float = 10.0
+    lease_seconds: Count = 30
+    heartbeat_seconds: Interval = 5.0
+    sweep_seconds: Interval = 10.0
     requeue_after_seconds: int = 60   # a queued task older than this with no claim is dispatched again
     direct_requeue_after_seconds: float = 5.0  # the same for a direct response: a person is waiting
     drain_seconds: float = 120.0      # SIGTERM: running generations get this long before they are handed on
     # Event pipeline.
     delta_window_ms: float = 20.0     # coalesce token deltas over this window ...
-    delta_max_tokens: int = 16        # ... or this many tokens, whichever first
-    sse_heartbeat_seconds: float = 0.5
-    poll_interval_seconds: float = 0.05  # how often followers re-read the log without Redis
+    delta_max_tokens: Count = 16        # ... or this many tokens, whichever first
+    sse_heartbeat_seconds: Interval = 0.5
+    poll_interval_seconds: Interval = 0.05  # how often followers re-read the log without Redis
     max_task_wait_seconds: int = 30      # cap of GET /tasks/{id}?wait=N (long poll)
     # Limits (spec 10).
-    max_body_bytes: int = 1024 * 1024
-    max_json_depth: int = 32
-    max_input_items: int = 1024
+    max_body_bytes: Count = 1024 * 1024
+    max_json_depth: Count = 32
+    max_input_items: Count = 1024
     max_tools: int = 128
-    max_string_chars: int = 512 * 1024
+    max_string_chars: Count = 512 * 1024
     rate_limit_per_second: float = 50.0
     rate_limit_burst: int = 100
     max_queued_tasks_per_principal: int = 1000
@@ -54,24 +65,35 @@ class Settings(BaseSettings):
     # Open streams and other long requests (SSE, WebSocket, direct responses): one api thread each.
     stream_reserved_threads: int = 16   # per process, kept for health probes and short requests
     max_streams_per_principal: int = 32  # per process
-    stream_auth_recheck_seconds: float = 5.0  # how often an open stream checks its token is not revoked
-    ws_ping_seconds: float = 10.0        # a WebSocket client that misses a pong for this long is dropped
+    stream_auth_recheck_seconds: Interval = 5.0  # how often an open stream checks its token is not revoked
+    ws_ping_seconds: Interval = 10.0        # a WebSocket client that misses a pong for this long is dropped
     auth_failures_per_minute: int = 30   # bad tokens per client address before 429 (no database lookup)
-    idempotency_heartbeat_seconds: float = 10.0  # an in-flight key unrefreshed for 3 beats is abandoned
+    idempotency_heartbeat_seconds: Interval = 10.0  # an in-flight key unrefreshed for 3 beats is abandoned
     # Structured-output grammars (the constrained-decoding compile budget).
-    grammar_max_nodes: int = 4096        # JSON values in the schema
-    grammar_max_depth: int = 24          # JSON nesting within the schema
-    grammar_max_alternatives: int = 256  # anyOf/oneOf branches, a nested one counted once per enclosing branch
-    grammar_compile_timeout_seconds: float = 5.0
+    grammar_max_nodes: Count = 4096        # JSON values in the schema
+    grammar_max_depth: Count = 24          # JSON nesting within the schema
+    grammar_max_alternatives: Count = 256  # anyOf/oneOf branches, a nested one counted once per enclosing branch
+    grammar_compile_timeout_seconds: Interval = 5.0
     # Server.
     host: str = "127.0.0.1"
-    port: int = 8080
-    api_workers: int = 2
-    api_threads: int = 256  # one per open event stream (gthread)
+    port: int = Field(8080, ge=1, le=65535)
+    api_workers: int = Field(2, ge=1)
+    api_threads: int = Field(256, ge=1)  # one per open event stream (gthread)
     # Operations: logs, the worker's /readyz + /metrics port, the drain on SIGTERM.
-    log_format: str = "text"          # "json": one object a line with task, response and worker ids
+    log_format: Literal["text", "json"] = "text"  # "json": one object a line with task, response and worker ids
     worker_metrics_host: str = "127.0.0.1"
-    worker_metrics_port: int = 9400   # 0: no port; a supervisor gives its Nth child port + N
+    worker_metrics_port: int = Field(9400, ge=0, le=65535)  # 0: no port; a supervisor gives its Nth child port + N
+
+    @field_validator("redis_url", "broker_url")
+    @classmethod
+    def _url(cls, value: str, info) -> str:
+        """Empty (the default) or a URL: a typo would otherwise be a traceback at start (redis) or a
+        broker that never answers (kombu)."""
+        if value and "://" not in value:
+            raise ValueError("must be a URL such as redis://host:6379/0, or empty for the default")
+        if info.field_name == "redis_url" and value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL, or empty for no Redis")
+        return value
 
     @property
     def db_url(self) -> str:
@@ -94,6 +116,16 @@ class Settings(BaseSettings):
         return self.home / "models"
 
 
+def load_settings() -> Settings:
+    """The settings as the environment has them now; ``ConfigError`` for a value that does not parse."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise ConfigError("; ".join(
+            f"LMSP_{'_'.join(map(str, err['loc'])).upper()}={err['input']!r} is not valid ({err['msg'].removeprefix('Value error, ')})"
+            for err in exc.errors()) + ": fix or unset it") from None
+
+
 @lru_cache
 def get_settings() -> Settings:
-    return Settings()
+    return load_settings()

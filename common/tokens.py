@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from common.ids import new_id
+from common.ids import is_id, new_id
 from common.tables import ApiToken, Principal
 
 SCOPES = ("models:read", "responses:write", "responses:read", "tasks:write", "tasks:read",
@@ -43,6 +43,18 @@ def parse_scopes(text: str | None) -> tuple[str, ...]:
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; scopes are: {', '.join(SCOPES)}")
     return scopes
+
+
+_PRINCIPAL = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")  # tables.Principal.id is 128 characters
+
+
+def check_principal(principal: str, name: str | None = None) -> None:
+    """Raise ValueError for a principal (or token name) the database cannot hold or a log line would garble."""
+    if not _PRINCIPAL.fullmatch(principal):
+        raise ValueError(f"principal {principal!r} must be 1-128 characters, none of them spaces or control "
+                         "characters")
+    if name is not None and (len(name) > 200 or "\x00" in name):
+        raise ValueError("a token name is at most 200 characters, without NUL")
 
 
 def create_token(session: Session, principal: str, scopes: tuple[str, ...], name: str | None = None
@@ -84,7 +96,7 @@ def list_tokens(session: Session) -> list[ApiToken]:
 
 
 def revoke_token(session: Session, token_id: str) -> bool:
-    row = session.get(ApiToken, token_id)
+    row = session.get(ApiToken, token_id) if is_id("token", token_id) else None
     if row is None:
         return False
     if row.revoked_at is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from common.settings import get_settings
+from common.settings import ConfigError, get_settings
 from lmsp import client as lc
 
 DEFAULT_MODEL = "smollm2:135m"
@@ -43,24 +43,24 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli.main(args=argv, prog_name="lmsp")
+    try:
+        cli.main(args=argv, prog_name="lmsp")
+    except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
+        fail(str(exc))
 
 
 # == admin ========================================================================================
 def _sessions():
-    from common.db import NotMigrated, ensure_migrated, make_engine, session_factory
+    from common.db import ensure_migrated, make_engine, session_factory
     engine = make_engine(get_settings().db_url)
-    try:
-        ensure_migrated(engine)
-    except NotMigrated as exc:
-        fail(str(exc))
+    ensure_migrated(engine)
     return session_factory(engine)
 
 
 def migrate() -> None:
-    from common.db import upgrade
+    from common.db import shown_url, upgrade
     url = get_settings().db_url
-    say(f"migrating {re.sub(r'//[^@/]*@', '//***@', url)}")
+    say(f"migrating {shown_url(url)}")
     upgrade(url)
     say("database is at the latest migration")
 
@@ -74,14 +74,15 @@ def tokens() -> None:
 
 
 @tokens.command("create")
-@click.option("--principal", required=True)
+@click.option("--principal", required=True, help="The tenant the token acts for: 1-128 visible characters.")
 @click.option("--scopes", help="Comma-separated; default: every 1.0 scope but admin.")
-@click.option("--name")
+@click.option("--name", help="A label for `lmsp tokens list`: at most 200 characters.")
 def tokens_create(principal: str, scopes: str | None, name: str | None) -> None:
     """Create a token; prints it once."""
-    from common.tokens import create_token, parse_scopes
+    from common.tokens import check_principal, create_token, parse_scopes
     try:
         granted = parse_scopes(scopes)
+        check_principal(principal, name)
     except ValueError as exc:
         fail(str(exc))
     with _sessions()() as session:
@@ -153,7 +154,10 @@ def models_import(file: Path, model_id: str, reasoning_parser, tool_call_parser)
     """Convert a GGUF file (Ollama, llama.cpp) to a checkpoint vLLM loads, and register it."""
     if not file.is_file():
         fail(f"no file {file}")
-    import_gguf(file, model_id, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+    try:
+        import_gguf(file, model_id, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+    except (OSError, ValueError) as exc:  # not a GGUF file, an architecture transformers cannot read, ...
+        fail(f"cannot import {file}: {str(exc).rstrip('.')}; give a GGUF file as Ollama or llama.cpp keep them")
 
 
 @models.command("fetch-default", help=f"Fetch and import the default model, {DEFAULT_MODEL}.")
@@ -169,10 +173,11 @@ def _check_port(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            fail(f"port {port} on {host} is in use (another `lmsp dev` or `make run`?). Choose another "
-                 f"with --port or LMSP_PORT, e.g. `make run LMSP_PORT={port + 1}`")
+            if exc.errno == errno.EADDRINUSE:
+                fail(f"port {port} on {host} is in use (another `lmsp dev` or `make run`?). Choose another "
+                     f"with --port or LMSP_PORT, e.g. `make run LMSP_PORT={port + 1}`")
+            fail(f"cannot listen on {host}:{port} ({exc.strerror or exc}); set LMSP_HOST to an address of "
+                 "this machine (127.0.0.1, 0.0.0.0) and --port or LMSP_PORT to a free port above 1023")
 
 
 def _server_settings(port: int | None):
@@ -189,6 +194,13 @@ def serve(port: int | None) -> None:
     """Run the api (gunicorn, gthread)."""
     settings = _server_settings(port)
     _check_port(settings.host, settings.port)
+    # What every api process checks when it starts, checked once here: a mistake is one line now,
+    # not a traceback per gunicorn worker.
+    from common.registry import Registry
+    _sessions()
+    if not Registry.load(settings.models_path).models:
+        say(f"no models registered in {settings.models_path}: the api serves none "
+            "(`lmsp models import-gguf FILE --id ID` registers one)")
     from api.serve import gunicorn_argv
     argv = gunicorn_argv(settings)
     os.execv(argv[0], argv)
@@ -258,9 +270,10 @@ def dev(port: int | None) -> None:
     token_file = settings.home / "dev-token"
     _dev_token(token_file)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children on SIGTERM too, not only Ctrl-C
-    children = [subprocess.Popen([sys.executable, "-m", "lmsp", "worker", "--model", m]) for m in names]
+    children = {f"the worker of {m}": subprocess.Popen([sys.executable, "-m", "lmsp", "worker", "--model", m])
+                for m in names}
     from api.serve import gunicorn_argv
-    children.append(subprocess.Popen(gunicorn_argv(settings)))
+    children["the api"] = subprocess.Popen(gunicorn_argv(settings))
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     url = f"http://{host}:{settings.port}"
     say(f"starting on {url}: the api, and {len(names)} worker(s) loading {', '.join(names)} "
@@ -268,7 +281,7 @@ def dev(port: int | None) -> None:
     token = token_file.read_text().strip()
     ready = False
     try:
-        while all(c.poll() is None for c in children):
+        while all(c.poll() is None for c in children.values()):
             if not ready and _ready(url, token):
                 ready = True
                 flag = "" if settings.port == 8080 and host == "127.0.0.1" else f" --url {url}"
@@ -276,16 +289,19 @@ def dev(port: int | None) -> None:
                     f"try: {_command_name()} ask{flag} \"{SAMPLE_PROMPT}\"")
             time.sleep(1)
     except KeyboardInterrupt:
-        pass
+        return
     finally:
-        for c in children:
+        dead = next(((name, c.returncode) for name, c in children.items() if c.poll() is not None), None)
+        for c in children.values():
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)
-        for c in children:
+        for c in children.values():
             try:
                 c.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 c.kill()
+    # Not stopped by Ctrl-C: a child ended by itself, so this run failed (a supervisor should know).
+    fail(f"{dead[0]} exited with status {dead[1]} (its own message is above); the rest is stopped")
 
 
 # == client =======================================================================================

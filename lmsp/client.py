@@ -51,15 +51,15 @@ OnDisconnect = Callable[[str, float], None]  # (why, seconds until the next try)
 def default_url() -> str:
     if url := os.environ.get("LMSP_URL"):
         return url
-    from common.settings import Settings  # where `lmsp dev` serves
-    settings = Settings()
+    from common.settings import load_settings  # where `lmsp dev` serves
+    settings = load_settings()
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     return f"http://{host}:{settings.port}"
 
 
 def dev_token_path() -> Path:
-    from common.settings import Settings
-    return Settings().home / "dev-token"
+    from common.settings import load_settings
+    return load_settings().home / "dev-token"
 
 
 def default_token() -> str | None:

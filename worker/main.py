@@ -10,16 +10,17 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 from celery.signals import worker_shutting_down
 
 from common import logs
 from common.broker import RUN_TASK, make_celery
 from common.bus import Publisher
-from common.db import NotMigrated, ensure_migrated, make_engine, session_factory
+from common.db import ensure_migrated, make_engine, session_factory
 from common.errors import LMSPError
 from common.registry import Registry, detect_machine, resolve_engine
-from common.settings import get_settings
+from common.settings import ConfigError, get_settings
 from worker import interactive, metrics, recovery, runner
 from worker.context import WorkerContext
 from worker.writer import EventWriter
@@ -28,23 +29,24 @@ log = logging.getLogger("lmsp.worker")
 
 
 def build(model_id: str, gpu: int | None) -> WorkerContext:
-    from worker.engine import EngineHost, kill_stale_engines
-
     settings = get_settings()
     try:
         spec = Registry.load(settings.models_path).get(model_id)
     except LMSPError:
         sys.exit(f"lmsp worker: no model {model_id!r} in {settings.models_path}; "
                  "`lmsp models list` shows them, `make model` imports the default")
+    checkpoint = Path(spec.checkpoint).expanduser()
+    if checkpoint.is_absolute() and not (checkpoint / "config.json").is_file():  # else a hub id, for vLLM
+        raise ConfigError(f"model {model_id}: {checkpoint} is not a checkpoint folder (no config.json); "
+                          f"fix its checkpoint in {settings.models_path} or import it again with "
+                          "`lmsp models import-gguf FILE --id ID`")
+    from worker.engine import EngineHost, kill_stale_engines  # vLLM: seconds to import, so after the checks
     worker_id = settings.worker_id or f"{socket.gethostname()}:{model_id}" + (f":gpu{gpu}" if gpu is not None else "")
     # A paused worker must not hold rows inside a transaction forever (a takeover waits on them).
     connect = {"connect_args": {"options": "-c idle_in_transaction_session_timeout=5000"}} \
         if settings.db_url.startswith(("postgres", "postgresql")) else {}
     engine = make_engine(settings.db_url, **connect)
-    try:
-        ensure_migrated(engine)
-    except NotMigrated as exc:
-        sys.exit(f"lmsp worker: {exc}")
+    ensure_migrated(engine)
     if gpu is not None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(gpu))
     killed = kill_stale_engines(worker_id)
@@ -108,8 +110,11 @@ def serve(ctx: WorkerContext) -> None:
 
 def run(model_id: str, gpu: int | None = None) -> None:
     """The worker's entry point (`lmsp worker` calls it with its parsed options)."""
-    logs.setup()
-    ctx = build(model_id, gpu)
+    try:
+        logs.setup()
+        ctx = build(model_id, gpu)
+    except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
+        sys.exit(f"lmsp worker: {exc}")
     logs.bind_process(worker_id=ctx.worker_id)
     metrics.start_metrics_server(ctx)  # after the engine loaded: the startup probe means "loaded"
     serve(ctx)

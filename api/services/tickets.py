@@ -16,8 +16,10 @@ import time
 
 from flask import g, request
 
+from api import params
 from api.extensions import services
 from common.errors import LMSPError
+from common.ids import is_id
 from common.tables import ApiToken
 from common.tokens import Identity
 
@@ -44,12 +46,14 @@ def _redeem(session, ticket: str, task_id: str) -> Identity | None:
     version, _, rest = ticket.partition(".")
     token_id, _, rest = rest.partition(".")
     expires, _, signature = rest.partition(".")
-    if version != VERSION or not expires.isdigit() or int(expires) < time.time():
+    expires = params.integer(expires)
+    if version != VERSION or expires is None or expires < time.time() or not is_id("token", token_id):
         return None
     row = session.get(ApiToken, token_id)
     if row is None or row.revoked_at is not None:
         return None
-    if not hmac.compare_digest(signature, _signature(row.token_hash, row.id, task_id, int(expires))):
+    # As bytes: compare_digest refuses a str with non-ASCII characters (a client's choice) with TypeError.
+    if not hmac.compare_digest(signature.encode(), _signature(row.token_hash, row.id, task_id, expires).encode()):
         return None
     return Identity(row.id, row.principal_id, frozenset(row.scopes.split()))
 

@@ -7,6 +7,7 @@ from sqlalchemy.orm import Session
 
 from api.grammar import check_budget
 from common.errors import LMSPError
+from common.ids import is_id
 from common.prompt import count_tokens, load_tokenizer, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest, parse
 from common.registry import ModelSpec
@@ -86,7 +87,7 @@ def _continue(session: Session, principal: str, req: ResponseRequest) -> Respons
     """Prefix the input with the stored response's context and output."""
     prev = session.execute(select(Response).where(
         Response.id == req.previous_response_id, Response.principal_id == principal,
-        Response.stored.is_(True))).scalar_one_or_none()
+        Response.stored.is_(True))).scalar_one_or_none() if is_id("response", req.previous_response_id) else None
     if prev is None:
         raise LMSPError("response_not_found", f"No stored response {req.previous_response_id}",
                         param="previous_response_id")

@@ -16,6 +16,7 @@ from common import events, interactive_wire, lifecycle
 from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError, problem
 from common.events import dumps
+from common.ids import is_id
 from common.resources import response_object, task_object
 from common.states import FAILED, QUEUED, SUCCEEDED, R
 from common.tables import Response, Task
@@ -170,7 +171,7 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
 def stored_response(session: Session, principal: str, response_id: str) -> dict:
     row = session.execute(select(Response).where(
         Response.id == response_id, Response.principal_id == principal, Response.stored.is_(True))
-    ).scalar_one_or_none()
+    ).scalar_one_or_none() if is_id("response", response_id) else None
     if row is None:
         raise LMSPError("response_not_found", f"No stored response {response_id}")
     return response_object(row)

@@ -1,12 +1,12 @@
 """Following a task's events over SSE (7.4) or WebSocket, resumable with after / Last-Event-ID."""
 
 import logging
-import re
 import time
 
 from flask import Blueprint, Response, g, request, stream_with_context
 from flask_sock import ConnectionClosed, Sock
 
+from api import params
 from api.auth import check_scope, hold_stream, principal, require, still_authorized, streamed
 from api.extensions import services
 from api.live import ShuttingDown, follow, stream_error
@@ -19,19 +19,19 @@ from common.tables import Task
 log = logging.getLogger("lmsp.events")
 bp = Blueprint("events", __name__, url_prefix="/lmsp/v1/tasks")
 sock = Sock()
-_EVENT_ID = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() admits "²", which int() refuses
 
 
 def _after() -> int:
     """The one place that reads the resume point: ``after`` wins over ``Last-Event-ID`` (6.4)."""
-    raw, param = request.args.get("after"), "after"
+    raw, param = params.arg("after"), "after"
     if not raw:
         raw, param = request.headers.get("Last-Event-ID"), "Last-Event-ID"
     if raw is None or raw == "":
         return 0
-    if not _EVENT_ID.fullmatch(raw):
+    after = params.integer(raw)
+    if after is None:
         raise LMSPError("invalid_request", f"{param} must be a non-negative integer event id", param=param)
-    return int(raw)
+    return after
 
 
 def _open(task_id: str) -> tuple[str, str, int]:
@@ -111,6 +111,8 @@ def ws(socket, task_id: str):
         for batch in batches:
             if not socket.connected:
                 return  # the client left (or missed its pongs): free the thread
+            while socket.receive(timeout=0) is not None:
+                pass  # the client has nothing to say here: what it sends anyway must not pile up
             for event in batch or ():
                 socket.send(events.ws_frame(*event))
     except ShuttingDown:

@@ -1,13 +1,13 @@
 import hashlib
 import json
-import re
 import time
 
 from flask import Blueprint, Response, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from api.auth import principal, require
+from api import params
+from api.auth import hold_stream, principal, require
 from api.body import json_body
 from api.extensions import services
 from api.services import idempotency, tickets
@@ -23,6 +23,7 @@ from api.services.work import (
 )
 from common.errors import LMSPError
 from common.events import REASONING_DELTA, TEXT_DELTA
+from common.ids import is_id
 from common.protocol import TaskRequest, parse
 from common.states import STATES, SUCCEEDED, TERMINAL
 from common.tables import Response as ResponseRow
@@ -86,17 +87,28 @@ def get(task_id: str):
     the task as it was when the request came) or N seconds pass; 304 when the client's ETag still holds."""
     svc = services()
     who = principal()
-    wait = _wait_seconds(request.args.get("wait"), svc.settings.max_task_wait_seconds)
+    wait = _wait_seconds(params.arg("wait"), svc.settings.max_task_wait_seconds)
     doc = _read(svc, who, task_id)
     given = request.if_none_match  # empty when the header is absent
     first = etag(doc)
     unchanged = given.contains_weak if given else first.__eq__
-    if wait and unchanged(first) and doc["status"] not in TERMINAL:
+    if wait and unchanged(first) and doc["status"] not in TERMINAL and _may_hold_a_thread():
         doc = _wait_for_change(svc, who, task_id, doc["response_id"], unchanged, wait)
     tag = etag(doc)
     if given.contains_weak(tag):
         return Response(status=304, headers={"ETag": f'"{tag}"'})
     return Response(json.dumps(doc), mimetype="application/json", headers={"ETag": f'"{tag}"'})
+
+
+def _may_hold_a_thread() -> bool:
+    """A long poll holds its thread as a stream does, so it takes a stream slot: else enough of them
+    would starve the threads kept for health probes and short requests. Without a free slot it
+    answers at once (``wait`` is an upper bound) and the client simply polls again."""
+    try:
+        hold_stream()
+    except LMSPError:
+        return False
+    return True
 
 
 def etag(doc: dict) -> str:
@@ -111,11 +123,8 @@ def _read(svc, who: str, task_id: str) -> dict:
 def _wait_seconds(raw: str | None, cap: int) -> float:
     if raw is None:
         return 0
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1
-    if not 0 <= seconds < float("inf"):
+    seconds = params.number(raw)
+    if seconds is None:
         raise LMSPError("invalid_request", f"wait must be a number of seconds >= 0 (at most {cap} are used)",
                         param="wait")
     return min(seconds, cap)
@@ -146,7 +155,6 @@ def cancel(task_id: str):
 # -- the task list (an extension of the spec: GET /lmsp/v1/tasks) --------------------------------
 LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
-_TASK_ID = re.compile(r"task_[0-9A-HJKMNP-TV-Z]{26}")
 
 
 def _list_query() -> tuple[list[str], int, str | None]:
@@ -155,18 +163,18 @@ def _list_query() -> tuple[list[str], int, str | None]:
         if name not in ("state", "limit", "cursor"):
             raise LMSPError("invalid_request", f"Unknown query parameter {name!r}; this takes state, limit "
                             "and cursor", param=name)
-    states = [s for s in args.get("state", "").split(",") if s]
+    states = [s for s in (params.arg("state") or "").split(",") if s]
     for state in states:
         if state not in STATES:
             raise LMSPError("invalid_request", f"state {state!r} is not one of {', '.join(STATES)}",
                             param="state")
-    raw = args.get("limit", str(LIST_LIMIT))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    limit = params.integer(params.arg("limit") or str(LIST_LIMIT))
+    if limit is None or not 1 <= limit <= MAX_LIST_LIMIT:
         raise LMSPError("invalid_request", f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", param="limit")
-    cursor = args.get("cursor") or None
-    if cursor is not None and not _TASK_ID.fullmatch(cursor):
+    cursor = params.arg("cursor") or None
+    if cursor is not None and not is_id("task", cursor):
         raise LMSPError("invalid_request", "cursor must be the next_cursor of a previous page", param="cursor")
-    return states, int(raw), cursor
+    return states, limit, cursor
 
 
 @bp.get("")

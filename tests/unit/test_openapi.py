@@ -75,9 +75,7 @@ def test_every_operation_declares_its_security_and_problems(doc):
             public = path in ("/healthz", "/readyz", "/")
             assert op["security"] == ([] if public else [{"bearer": [op["x-lmsp-scope"]]}]), (method, path)
             if not public:
-                assert "401" in op["responses"], (method, path)
-                # The WebSocket route checks its scope after the handshake starts (flask-sock): no 403 there.
-                assert ("403" in op["responses"]) != path.endswith("/ws"), (method, path)
+                assert "401" in op["responses"] and "403" in op["responses"], (method, path)
             for status, response in op["responses"].items():
                 if int(status) >= 400:
                     assert response["content"] == {"application/problem+json": {
@@ -117,6 +115,10 @@ def test_task_and_response_answers(doc, alice):
     check(doc, alice, "POST", "/lmsp/v1/tasks", "/lmsp/v1/tasks", 415, data="x", content_type="text/plain")
     check(doc, alice, "POST", "/lmsp/v1/responses", "/lmsp/v1/responses", 503, json=task_body()["input"])
     check(doc, alice, "GET", "/lmsp/v1/tasks/{task_id}/ws", f"/lmsp/v1/tasks/{task.id}/ws", 400)  # no Upgrade
+    upgrade = {"Connection": "Upgrade", "Upgrade": "websocket"}  # refused before the handshake, with a status
+    check(doc, alice, "GET", "/lmsp/v1/tasks/{task_id}/ws", "/lmsp/v1/tasks/task_nope/ws", 404, headers=upgrade)
+    reader = alice.unit.as_(alice.principal, "models:read")
+    check(doc, reader, "GET", "/lmsp/v1/tasks/{task_id}/ws", f"/lmsp/v1/tasks/{task.id}/ws", 403, headers=upgrade)
 
 
 def test_failed_task_carries_its_problem(doc, alice):

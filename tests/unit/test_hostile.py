@@ -1,0 +1,211 @@
+"""What a hostile client sends: odd numbers in queries and headers, ids that cannot exist, forged
+tickets, ambiguous JSON, broken WebSocket handshakes and floods. Each gets a problem document (or,
+on an open socket, a close), never a 500, and changes nothing."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from sqlalchemy import event
+
+from tests.harness import wait_for
+from tests.unit.conftest import make_unit, problem, task_body
+
+WS_HANDSHAKE = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+                "Sec-WebSocket-Version": "13"}
+
+
+# --- numbers in the query string: ASCII digits, given once ------------------------------------
+
+@pytest.mark.parametrize("query, param", [
+    ("limit=%C2%B2", "limit"),           # "²": str.isdigit() says yes, int() says no
+    ("limit=%D9%A3", "limit"),           # an Arabic-Indic three
+    ("limit=5&limit=50", "limit"),
+    ("state=queued&state=failed", "state"),
+    ("cursor=task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC&cursor=x", "cursor"),
+])
+def test_bad_list_queries_are_400_naming_the_param(alice, query, param):
+    assert problem(alice.get(f"/lmsp/v1/tasks?{query}"), 400, "invalid_request")["param"] == param
+
+
+@pytest.mark.parametrize("wait", ["1_0", "%201", "%D9%A3", "0x1", "nan", "inf", "1e999", "-1", "-1e-3", ""])
+def test_a_wait_that_is_not_a_json_number_of_seconds_is_400(alice, wait):
+    task = alice.task("succeeded")
+    assert problem(alice.get(f"/lmsp/v1/tasks/{task.id}?wait={wait}"), 400, "invalid_request")["param"] == "wait"
+
+
+@pytest.mark.parametrize("wait", ["0", "2.5", "1e-05", "2.5E1", "-0.0", "2433005480437137.0"])
+def test_a_wait_written_as_json_writes_numbers_is_taken(alice, wait):
+    task = alice.task("succeeded")  # final: answered at once, however long the wait
+    assert alice.get(f"/lmsp/v1/tasks/{task.id}?wait={wait}").status_code == 200
+
+
+def test_a_repeated_wait_or_after_is_400(alice):
+    task = alice.task("succeeded")
+    assert problem(alice.get(f"/lmsp/v1/tasks/{task.id}?wait=0&wait=abc"), 400,
+                   "invalid_request")["param"] == "wait"
+    assert problem(alice.get(f"/lmsp/v1/tasks/{task.id}/events?after=1&after=x"), 400,
+                   "invalid_request")["param"] == "after"
+    assert alice.get(f"/lmsp/v1/tasks/{task.id}?wait=0.5").status_code == 200
+
+
+# --- ids that cannot exist are never looked up ------------------------------------------------
+
+@pytest.fixture
+def no_nul_reaches_the_database(unit):
+    """Postgres refuses NUL in text (a DataError, so a 500); SQLite does not care. Fail like Postgres."""
+    engine = unit.app.extensions["lmsp"].engine
+    sent = []
+
+    def check(_conn, _cursor, _statement, parameters, _context, _many):
+        values = parameters.values() if isinstance(parameters, dict) else parameters
+        sent.extend(v for v in values if isinstance(v, str) and "\x00" in v)
+
+    event.listen(engine, "before_cursor_execute", check)
+    yield sent
+    event.remove(engine, "before_cursor_execute", check)
+
+
+@pytest.mark.parametrize("method, path, code", [
+    ("GET", "/lmsp/v1/tasks/%00", "task_not_found"),
+    ("GET", "/lmsp/v1/tasks/task_%00/events", "task_not_found"),
+    ("POST", "/lmsp/v1/tasks/x%00y/cancel", "task_not_found"),
+    ("POST", "/lmsp/v1/tasks/%00/events/ticket", "task_not_found"),
+    ("GET", "/lmsp/v1/responses/resp_%00", "response_not_found"),
+    ("GET", "/lmsp/v1/tasks/" + "x" * 5000, "task_not_found"),
+])
+def test_an_id_that_cannot_exist_is_404_without_a_lookup(alice, no_nul_reaches_the_database, method, path, code):
+    problem(alice.open(method, path), 404, code)
+    assert not no_nul_reaches_the_database
+
+
+def test_a_previous_response_id_with_a_nul_never_reaches_the_database(alice, no_nul_reaches_the_database):
+    # The body gate refuses a NUL in a string before anything is looked up.
+    doc = problem(alice.post("/lmsp/v1/tasks", task_body(previous_response_id="resp_\x00")), 400, "invalid_request")
+    assert doc["param"] == "input.previous_response_id" and not no_nul_reaches_the_database
+
+
+# --- forged stream tickets: 401, whatever their shape ---------------------------------------------
+
+def test_forged_tickets_are_401(unit, alice, no_nul_reaches_the_database):
+    task = alice.task("succeeded")
+    ticket = alice.post(f"/lmsp/v1/tasks/{task.id}/events/ticket").get_json()["ticket"]
+    version, token_id, expires, signature = ticket.split(".")
+    for forged in (f"{version}.{token_id}.{'9' * 5000}.{signature}",      # past int()'s 4300 digits
+                   f"{version}.{token_id}.%C2%B2.{signature}",             # "²"
+                   f"{version}.{token_id}.{expires}.%C3%A9{signature}",    # non-ASCII: compare_digest's TypeError
+                   f"{version}.%00.{expires}.{signature}",                 # a NUL token id
+                   f"{version}.{token_id}.{int(expires) + 1}.{signature}"):
+        resp = unit.client.get(f"/lmsp/v1/tasks/{task.id}/events?ticket={forged}")
+        problem(resp, 401, "unauthorized")
+    assert not no_nul_reaches_the_database
+    assert unit.client.get(f"/lmsp/v1/tasks/{task.id}/events?ticket={ticket}").status_code == 200
+
+
+# --- JSON that means different things to different parsers ----------------------------------------
+
+def _post_raw(caller, text: str):
+    return caller.post("/lmsp/v1/tasks", data=text.encode(), content_type="application/json",
+                       headers={"Idempotency-Key": f"raw-{time.monotonic_ns()}"})
+
+
+@pytest.mark.parametrize("edit, param", [
+    (lambda t: t.replace('{"type": "response"', '{"type": "batch", "type": "response"', 1), "type"),
+    (lambda t: t.replace('"model": ', '"model": "x", "model": ', 1), "input.model"),
+    (lambda t: t.replace('"role": "user"', '"role": "user", "role": "system"', 1), "input.input[0].role"),
+])
+def test_a_member_given_twice_is_400_naming_it(unit, alice, edit, param):
+    text = edit(json.dumps(task_body()))
+    assert problem(_post_raw(alice, text), 400, "invalid_request")["param"] == param
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "9" * 5000])
+def test_numbers_no_json_can_hold_are_400(alice, number):
+    text = json.dumps(task_body(extensions={"x-n": 0})).replace('"x-n": 0', f'"x-n": {number}')
+    doc = problem(_post_raw(alice, text), 400, "invalid_request")
+    assert "sys.set_int_max_str_digits" not in doc["detail"]
+
+
+# --- the WebSocket route -------------------------------------------------------------------------
+
+def _ws(caller, task_id: str, headers: dict, server_socket=None):
+    environ = {"werkzeug.socket": server_socket} if server_socket is not None else {}
+    return caller.get(f"/lmsp/v1/tasks/{task_id}/ws", headers=headers, environ_overrides=environ)
+
+
+@pytest.mark.parametrize("drop, change, param", [
+    ("Sec-WebSocket-Key", {}, "Sec-WebSocket-Key"),
+    ("Sec-WebSocket-Version", {}, "Sec-WebSocket-Version"),
+    (None, {"Sec-WebSocket-Version": "8"}, "Sec-WebSocket-Version"),
+])
+def test_a_bad_websocket_handshake_is_400_naming_the_header(alice, drop, change, param):
+    task = alice.task("succeeded")
+    headers = {k: v for k, v in WS_HANDSHAKE.items() if k != drop} | change
+    server, peer = socket.socketpair()
+    with server, peer:
+        resp = _ws(alice, task.id, headers, server)
+        assert problem(resp, 400, "invalid_request")["param"] == param
+
+
+def test_plain_get_on_the_websocket_route_says_what_it_takes(alice):
+    task = alice.task("succeeded")
+    assert "WebSocket upgrade" in problem(_ws(alice, task.id, {}), 400, "invalid_request")["detail"]
+    upgrade = {k: WS_HANDSHAKE[k] for k in ("Connection", "Upgrade")}
+    doc = problem(alice.get(f"/lmsp/v1/tasks/{task.id}", headers=upgrade), 400, "invalid_request")
+    assert "/ws" in doc["detail"]
+
+
+def test_a_client_that_floods_the_websocket_is_dropped(alice):
+    """The server expects no message: one that grows without end closes the socket (and frees the
+    thread) instead of filling the process's memory."""
+    task = alice.task("running")
+    server, peer = socket.socketpair()
+    with server, peer:
+        view = threading.Thread(target=_ws, args=(alice, task.id, WS_HANDSHAKE, server), daemon=True)
+        view.start()
+        peer.settimeout(5)
+        assert peer.recv(4096).startswith(b"HTTP/1.1 101")
+        # One masked binary frame announcing 2**40 bytes, then as much as the server takes.
+        peer.sendall(b"\x82\xff" + (1 << 40).to_bytes(8, "big") + b"\x00" * 4)
+        with pytest.raises(OSError):
+            for _ in range(10_000):  # 640 MiB: never reached
+                peer.sendall(b"\x00" * 65536)
+        view.join(10)
+        assert not view.is_alive()
+
+
+# --- long polls hold a thread, so they hold a stream slot ------------------------------------------
+
+def test_a_long_poll_holds_a_stream_slot(unit, tmp_path):
+    one = make_unit(tmp_path, api_threads=17, stream_reserved_threads=16)  # one slot in this process
+    slots = one.app.extensions["lmsp"].streams
+    alice, bob = one.as_("alice"), one.as_("bob")
+    task = alice.task("queued")
+    poll = threading.Thread(target=alice.get, args=(f"/lmsp/v1/tasks/{task.id}?wait=30",), daemon=True)
+    poll.start()
+    wait_for(lambda: slots.open == 1, 10, "the long poll to take the slot")
+    problem(bob.get(f"/lmsp/v1/tasks/{bob.task('succeeded').id}/events"), 429, "rate_limited")
+    assert bob.get(f"/lmsp/v1/tasks/{bob.task('queued').id}?wait=2").status_code == 200  # at once: no slot
+    assert alice.post(f"/lmsp/v1/tasks/{task.id}/cancel").get_json()["status"] == "cancelled"
+    poll.join(10)
+    assert not poll.is_alive() and slots.open == 0
+
+
+def test_a_compressed_body_is_415_not_a_puzzle(unit, alice):
+    import gzip
+    resp = alice.post("/lmsp/v1/tasks", data=gzip.compress(json.dumps(task_body()).encode()),
+                      content_type="application/json", headers={"Content-Encoding": "gzip"})
+    assert "Content-Encoding gzip" in problem(resp, 415, "unsupported_media_type")["detail"]
+
+
+@pytest.mark.parametrize("path, headers, status", [
+    ("/", {"If-Match": '"not-this"'}, 412),
+    ("/static/app.js", {"Range": "bytes=999999999-"}, 416),
+])
+def test_werkzeugs_own_refusals_are_problem_documents_too(unit, path, headers, status):
+    resp = unit.anonymous.get(path, headers=headers)
+    assert resp.status_code == status and resp.mimetype == "application/problem+json", resp.get_data()[:80]
+    doc = resp.get_json()
+    assert doc["status"] == status and doc["title"] and doc["detail"] and resp.headers["LMSP-Version"] == "1.0"

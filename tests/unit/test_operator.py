@@ -1,0 +1,208 @@
+"""What an operator gets wrong: the environment, the models file, the database. Every entry point
+(`lmsp ...`, the worker, gunicorn's api.wsgi) says in one line what is wrong and what to do, and
+exits non-zero; never a traceback. And while the database is away, clients are told to retry."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.db import upgrade
+from common.settings import get_settings
+from lmsp import cli
+from tests.harness import free_port
+from tests.unit.conftest import problem
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A clean LMSP_* environment under tmp_path, with a migrated SQLite database; returns a setter."""
+    for name in [n for n in os.environ if n.startswith("LMSP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LMSP_HOME", str(tmp_path))
+    monkeypatch.setenv("LMSP_DATABASE_URL", f"sqlite:///{tmp_path / 'lmsp.db'}")
+    upgrade(f"sqlite:///{tmp_path / 'lmsp.db'}")
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"exec'd {a} despite a bad configuration"))
+    get_settings.cache_clear()
+    yield lambda **values: [monkeypatch.setenv(f"LMSP_{k.upper()}", v) for k, v in values.items()]
+    get_settings.cache_clear()
+
+
+def lmsp(capsys, *args: str) -> tuple[int, list[str], str]:
+    """Exit status, stderr lines, stdout."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return exit_.value.code, [line for line in err.splitlines() if line.strip()], out
+
+
+def fails_with(capsys, args: tuple, *words: str) -> str:
+    code, lines, _ = lmsp(capsys, *args)
+    assert code not in (0, None) and lines, lines
+    last = lines[-1]
+    assert last.startswith("lmsp: ") and all(w in last for w in words), lines
+    return last
+
+
+@pytest.mark.parametrize("args", [("tokens", "list"), ("ask", "hi", "--token", "x"), ("serve",)])
+def test_a_setting_that_does_not_parse_is_one_line(env, capsys, args):
+    env(port="abc")
+    fails_with(capsys, args, "LMSP_PORT='abc'", "fix or unset it")
+
+
+@pytest.mark.parametrize("name, value", [("redis_url", "localhost:6379"), ("redis_url", "http://x"),
+                                         ("broker_url", "redis")])
+def test_a_redis_or_broker_url_that_is_not_one_is_one_line(env, capsys, name, value):
+    env(**{name: value})
+    fails_with(capsys, ("tokens", "list"), f"LMSP_{name.upper()}={value!r}", "URL")
+
+
+def test_out_of_range_settings_are_named_together(env, capsys):
+    # A zero heartbeat would spin every open stream's loop; a negative body limit refuses every body.
+    env(port="99999", api_workers="0", sse_heartbeat_seconds="0", max_body_bytes="-1")
+    fails_with(capsys, ("serve",), "LMSP_PORT='99999'", "LMSP_API_WORKERS='0'", "LMSP_SSE_HEARTBEAT_SECONDS='0'",
+               "LMSP_MAX_BODY_BYTES='-1'")
+
+
+@pytest.mark.parametrize("url, words", [
+    ("postgresql://lmsp:hunter2@127.0.0.1:1/lmsp", ("cannot reach the database", "LMSP_DATABASE_URL")),
+    ("not a url", ("is not a database URL", "postgresql://")),
+    ("nosuchdb://host/x", ("is not a database URL",)),
+])
+@pytest.mark.parametrize("args", [("tokens", "list"), ("migrate",), ("serve",)])
+def test_a_database_that_cannot_be_reached_is_one_line(env, capsys, url, words, args):
+    env(database_url=url)
+    assert "hunter2" not in fails_with(capsys, args, *words)
+
+
+def test_an_unmigrated_database_says_to_migrate(env, capsys, tmp_path):
+    env(database_url=f"sqlite:///{tmp_path / 'new.db'}")
+    fails_with(capsys, ("tokens", "list"), "lmsp migrate")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("models: [1", ("not valid YAML", "line 2")),
+    ("- a list", ("must be a mapping",)),
+    ("models: [{id: x}]", ("model 1 (x)", "checkpoint")),
+])
+@pytest.mark.parametrize("args", [("models", "list", "--registry"), ("serve",), ("dev",)])
+def test_a_broken_models_file_is_one_line(env, capsys, tmp_path, text, words, args):
+    (tmp_path / "models.yaml").write_text(text + "\n")
+    env(port=str(free_port()))
+    fails_with(capsys, args, str(tmp_path / "models.yaml"), *words)
+
+
+def test_a_models_file_that_is_a_folder_is_one_line(env, capsys, tmp_path):
+    env(models_file=str(tmp_path))
+    fails_with(capsys, ("models", "list", "--registry"), "cannot read the models file", "LMSP_MODELS_FILE")
+
+
+def test_tokens_commands_refuse_what_the_database_cannot_hold(env, capsys):
+    fails_with(capsys, ("tokens", "revoke", "tok_nope"), "no token tok_nope", "lmsp tokens list")
+    fails_with(capsys, ("tokens", "revoke", "tok_\x00"), "no token")
+    for principal in ("", "a b", "p" * 129, "tab\there"):
+        fails_with(capsys, ("tokens", "create", "--principal", principal), "principal")
+    fails_with(capsys, ("tokens", "create", "--principal", "p", "--name", "n" * 201), "name")
+    code, _, out = lmsp(capsys, "tokens", "list")
+    assert code in (0, None) and len(out.splitlines()) == 1  # the header: nothing was created
+
+
+def test_an_address_that_cannot_be_listened_on_is_one_line(env, capsys):
+    env(host="192.0.2.1")  # TEST-NET-1: never this machine's
+    fails_with(capsys, ("serve", "--port", str(free_port())), "cannot listen on 192.0.2.1", "LMSP_HOST")
+
+
+def test_the_worker_says_what_is_wrong(env, monkeypatch):
+    from worker import main as worker_main
+    env(log_format="text", port="abc")
+    with pytest.raises(SystemExit) as exit_:
+        worker_main.run("any")
+    assert str(exit_.value.code).startswith("lmsp worker: LMSP_PORT='abc'")
+
+
+@pytest.mark.parametrize("values, words", [
+    ({"LMSP_MODELS_FILE": "models.yaml"}, "lmsp api: the models file"),
+    ({"LMSP_LOG_FORMAT": "xml"}, "lmsp api: LMSP_LOG_FORMAT='xml'"),
+])
+def test_gunicorns_entry_point_stops_gunicorn_with_one_line(tmp_path, values, words):
+    """gunicorn's master halts ("App failed to load") on exit status 4, instead of booting workers
+    that fail the same way."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSP_")}
+    env.update(LMSP_HOME=str(tmp_path), HOME=str(tmp_path), **{k: str(tmp_path / v) if k.endswith("FILE") else v
+                                                                for k, v in values.items()})
+    (tmp_path / "models.yaml").write_text("models: [{id: x}]\n")
+    upgrade(f"sqlite:///{tmp_path / 'lmsp.db'}")
+    done = subprocess.run([sys.executable, "-c", "import api.wsgi"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(words), done.stderr
+
+
+def test_importing_a_file_that_is_not_gguf_is_one_line(env, capsys, tmp_path):
+    (tmp_path / "notes.gguf").write_text("not a model")
+    fails_with(capsys, ("models", "import-gguf", str(tmp_path / "notes.gguf"), "--id", "x"), "is not a GGUF file")
+
+
+class _Child:
+    """A child process of `lmsp dev`: the api runs, the worker exits at once with status 3."""
+
+    def __init__(self, argv):
+        self.returncode = 3 if "worker" in argv else None
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, _sig):
+        self.returncode = -15
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+
+def test_dev_exits_non_zero_when_a_child_dies(env, capsys, tmp_path, monkeypatch):
+    import yaml
+
+    from tests.harness import model_entry
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [model_entry("m:1")]}))
+    env(port=str(free_port()))
+    monkeypatch.setattr(cli.subprocess, "Popen", _Child)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    fails_with(capsys, ("dev",), "the worker of m:1 exited with status 3")
+
+
+def test_a_database_migrated_by_a_newer_lmsp_says_so(env, capsys, tmp_path):
+    import sqlite3
+    with sqlite3.connect(tmp_path / "lmsp.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = '0999'")
+    fails_with(capsys, ("tokens", "list"), "0999", "newer lmsp")
+    fails_with(capsys, ("migrate",), "0999", "newer lmsp")
+
+
+def test_while_the_database_is_away_clients_get_503_and_retry_after(unit, alice, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    import api.auth
+
+    def down(*_):
+        raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+
+    monkeypatch.setattr(api.auth, "authenticate", down)
+    resp = alice.get("/lmsp/v1/models")
+    assert problem(resp, 503, "overloaded") and resp.headers["Retry-After"] == "5"
+
+
+def test_a_worker_whose_checkpoint_is_missing_says_so_before_loading(env, tmp_path):
+    import yaml
+
+    from tests.harness import model_entry
+    from worker import main as worker_main
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [
+        model_entry("m:1", checkpoint=str(tmp_path / "gone"))]}))
+    with pytest.raises(SystemExit) as exit_:
+        worker_main.run("m:1")
+    assert str(exit_.value.code).startswith(f"lmsp worker: model m:1: {tmp_path / 'gone'} is not a checkpoint")
