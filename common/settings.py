@@ -44,11 +44,11 @@ class Settings(BaseSettings):
     heartbeat_seconds: Interval = 5.0
     sweep_seconds: Interval = 10.0
     requeue_after_seconds: int = 60   # a queued task older than this with no claim is dispatched again
-    direct_requeue_after_seconds: float = 5.0  # the same for a direct response: a person is waiting
+    direct_requeue_after_seconds: Interval = 5.0  # the same for a direct response: a person is waiting
     drain_seconds: float = 120.0      # SIGTERM: running generations get this long before they are handed on
     # Event pipeline.
     delta_window_ms: float = 20.0     # coalesce token deltas over this window ...
-    delta_max_tokens: Count = 16        # ... or this many tokens, whichever first
+    delta_max_tokens: Count = 16      # ... or this many tokens, whichever first
     sse_heartbeat_seconds: Interval = 0.5
     poll_interval_seconds: Interval = 0.05  # how often followers re-read the log without Redis
     max_task_wait_seconds: int = 30      # cap of GET /tasks/{id}?wait=N (long poll)
