@@ -92,23 +92,13 @@ def get(task_id: str):
     given = request.if_none_match  # empty when the header is absent
     first = etag(doc)
     unchanged = given.contains_weak if given else first.__eq__
-    if wait and unchanged(first) and doc["status"] not in TERMINAL and _may_hold_a_thread():
+    if wait and unchanged(first) and doc["status"] not in TERMINAL:
+        hold_stream()  # it holds its thread as a stream does: 429 + Retry-After when no slot is left
         doc = _wait_for_change(svc, who, task_id, doc["response_id"], unchanged, wait)
     tag = etag(doc)
     if given.contains_weak(tag):
         return Response(status=304, headers={"ETag": f'"{tag}"'})
     return Response(json.dumps(doc), mimetype="application/json", headers={"ETag": f'"{tag}"'})
-
-
-def _may_hold_a_thread() -> bool:
-    """A long poll holds its thread as a stream does, so it takes a stream slot: else enough of them
-    would starve the threads kept for health probes and short requests. Without a free slot it
-    answers at once (``wait`` is an upper bound) and the client simply polls again."""
-    try:
-        hold_stream()
-    except LMSPError:
-        return False
-    return True
 
 
 def etag(doc: dict) -> str:

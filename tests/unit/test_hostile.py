@@ -187,7 +187,12 @@ def test_a_long_poll_holds_a_stream_slot(unit, tmp_path):
     poll.start()
     wait_for(lambda: slots.open == 1, 10, "the long poll to take the slot")
     problem(bob.get(f"/lmsp/v1/tasks/{bob.task('succeeded').id}/events"), 429, "rate_limited")
-    assert bob.get(f"/lmsp/v1/tasks/{bob.task('queued').id}?wait=2").status_code == 200  # at once: no slot
+    waiting = bob.task("queued")
+    # No slot: told to come back later (an answer at once would make a client poll again at once) ...
+    refused = bob.get(f"/lmsp/v1/tasks/{waiting.id}?wait=2")
+    problem(refused, 429, "rate_limited")
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert bob.get(f"/lmsp/v1/tasks/{waiting.id}").status_code == 200  # ... a plain GET needs none
     assert alice.post(f"/lmsp/v1/tasks/{task.id}/cancel").get_json()["status"] == "cancelled"
     poll.join(10)
     assert not poll.is_alive() and slots.open == 0
