@@ -271,6 +271,14 @@ class CpuMeter:
         return {name: round(self._total(fn) - self.start[name], 1) for name, fn in self.groups.items()}
 
 
+def service_cpu(run) -> dict:
+    """The service's process groups, for CpuMeter."""
+    from tests.bench import service as svc
+    worker = run.worker_proc.pid
+    return {"worker main process": lambda: [worker], "engine processes": lambda: descendants(worker),
+            "api workers": lambda: svc.api_workers(run)}
+
+
 def wait_ready(run, timeout: float = 60) -> None:
     from tests.bench import service as svc
     deadline = time.monotonic() + timeout
@@ -371,7 +379,6 @@ def b1(run, table: Table, sides: Sides) -> None:
     texts = [essay_prompt(i) for i in range(B1_TASKS)]
     prompts = [sides.engine.render(t) for t in texts]
     eng, rounds = [], []
-    worker = run.worker_proc.pid
     for rep in range(REPS):
         for side in (("engine", "service") if rep % 2 == 0 else ("service", "engine")):
             if side == "engine":
@@ -385,9 +392,7 @@ def b1(run, table: Table, sides: Sides) -> None:
                     f"= {r['tokens_per_s']:.1f} tok/s; CPU s {r['cpu_s']}")
             else:
                 sides.use_service()
-                cpu = CpuMeter({"worker main process": lambda: [worker],
-                                "engine processes": lambda: descendants(worker),
-                                "api workers": lambda: svc.api_workers(run)})
+                cpu = CpuMeter(service_cpu(run))
                 r = svc.tasks_round(run, texts, B1_TOKENS)
                 r["cpu_s"] = cpu.read()
                 rounds.append(r)
@@ -531,12 +536,16 @@ def vllm_figures(run, table: Table, sides: Sides, checkpoint: str, resolved) -> 
             for side in (("vllm", "service") if rep % 2 == 0 else ("service", "vllm")):
                 use(side)
                 if side == "vllm":
+                    cpu = CpuMeter({"vLLM server processes": server.pids})
                     got["vllm"].append(server.batch(texts, B1_TOKENS))
+                    got["vllm"][-1]["cpu_s"] = cpu.read()
                 else:
-                    got["tasks"].append(svc.tasks_round(run, texts, B1_TOKENS))
-                    got["responses"].append(svc.responses_round(run, texts, B1_TOKENS))
+                    for key, fn in (("tasks", svc.tasks_round), ("responses", svc.responses_round)):
+                        cpu = CpuMeter(service_cpu(run))
+                        got[key].append(fn(run, texts, B1_TOKENS))
+                        got[key][-1]["cpu_s"] = cpu.read()
                 log(f"V rep {rep + 1}/{REPS} {side}: " + ", ".join(
-                    f"{k} {v[-1]['tokens_per_s']:.1f} tok/s" for k, v in got.items() if v))
+                    f"{k} {v[-1]['tokens_per_s']:.1f} tok/s (CPU s {v[-1]['cpu_s']})" for k, v in got.items() if v))
         if got["vllm"]:
             throughput_figures(table, got)
         ttft_figure(run, table, server, use)
