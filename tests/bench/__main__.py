@@ -44,6 +44,7 @@ PRODUCTION_ENV = {"LMSP_LEASE_SECONDS": "30", "LMSP_HEARTBEAT_SECONDS": "5", "LM
                   "LMSP_REQUEUE_AFTER_SECONDS": "60"}
 # The bench submits thousands of tasks from one principal: lift the per-principal limits.
 LIMITS_ENV = {"LMSP_MAX_QUEUED_TASKS_PER_PRINCIPAL": "10000000", "LMSP_MAX_QUEUE_DEPTH": "10000000",
+              "LMSP_MAX_STREAMS_PER_PRINCIPAL": "100000",
               "LMSP_RATE_LIMIT_PER_SECOND": "1000000", "LMSP_RATE_LIMIT_BURST": "1000000"}
 
 
