@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import psycopg
 import requests
 from sqlalchemy import select, update
+from urllib3.util import Retry
 
 from common.tables import Event, Response, Task
 from tests import factories
@@ -50,6 +51,10 @@ def session_for(token: str) -> requests.Session:
     if token not in s:
         s[token] = requests.Session()
         s[token].headers["Authorization"] = f"Bearer {token}"
+        # gunicorn closes a connection idle for its keep-alive (2 s); a GET sent as it does is reset:
+        # send it again (only GETs: a POST /tasks retried could submit twice).
+        s[token].mount("http://", requests.adapters.HTTPAdapter(max_retries=Retry(
+            total=2, connect=2, read=2, status=0, allowed_methods={"GET"}, raise_on_status=False)))
     return s[token]
 
 
