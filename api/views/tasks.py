@@ -57,12 +57,15 @@ def create():
         except LMSPError as exc:
             exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
             raise
-        check_task_limits(svc, session, who, prepared)
         task = new_task(session, who, prepared, envelope.on_restart)
         if key is not None:
             # Same transaction as the task: a task exists exactly when its key is recorded.
             session.add(idempotency.record_for_insert(key, status_code=202, task_id=task.id))
         try:
+            # Inserted before the limits' locks are taken: every POST /tasks of a model waits for
+            # them, so they are held for the count and the commit only.
+            session.flush()
+            check_task_limits(svc, session, who, prepared)
             session.commit()
         except IntegrityError:
             session.rollback()  # a concurrent request with the same key won the race
