@@ -13,6 +13,11 @@ one to finish; instead the host pauses the least urgent background request (abor
 keeps its tokens) and resubmits it as prompt + output so far once a slot frees (the
 prefix cache makes that cheap). Structured-output requests are never paused: their
 grammar cannot restart mid-output.
+
+Until a person's request has its first token, the step that computes it carries no less
+urgent prefill: background requests not yet started are paused (they lose at most a partial
+prefill) and none is admitted or resumed, so its time to first token is the batch's decode
+step plus its own prompt, not a refill of the batch.
 """
 
 from __future__ import annotations
@@ -82,8 +87,11 @@ class _Request:
     def engine_id(self) -> str:
         return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
 
+    def yields_to(self, other: _Request) -> bool:
+        return self.params.priority > other.params.priority
+
     def pausable_for(self, other: _Request) -> bool:
-        return self.params.priority > other.params.priority and self.params.json_schema is None
+        return self.yields_to(other) and self.params.json_schema is None
 
     def __lt__(self, other: _Request) -> bool:
         return self.order < other.order
@@ -105,6 +113,7 @@ class EngineHost:
         self._pumps: set[asyncio.Task] = set()  # touched only on the loop thread
         self._active: dict[str, _Request] = {}  # admitted to the engine (loop thread)
         self._waiting: list[_Request] = []  # a heap: the most urgent first (loop thread)
+        self._first_pending: set[_Request] = set()  # admitted, no output yet (loop thread)
         self._requests: dict[str, _Request] = {}  # every request being generated (loop thread)
 
     def start(self) -> None:
@@ -194,6 +203,9 @@ class EngineHost:
                         if req.paused and c.finish_reason == "abort" and not req.cancelled:
                             break  # paused by the gate, not ended: the consumer sees nothing
                         req.output_ids += c.token_ids
+                        if req in self._first_pending:
+                            self._first_pending.discard(req)
+                            self._fill()  # what it held back may start now
                         out.put(
                             Delta(
                                 text=c.text,
@@ -227,33 +239,59 @@ class EngineHost:
         request if the batch is full."""
         if req.cancelled:
             return
-        if len(self._active) < self._max_seqs:
-            self._active[req.request_id] = req
-            return
-        victims = [r for r in self._active.values() if r.pausable_for(req)]
-        if victims:
-            victim = max(victims)  # the least urgent, and of those the latest
-            victim.paused = True  # its pump sees the abort and comes back here
-            del self._active[victim.request_id]
-            self._active[req.request_id] = req
-            await self._llm.abort(victim.engine_id)
-            return
+        if not self._held_back(req):
+            if len(self._active) < self._max_seqs:
+                self._seat(req)
+                await self._clear_first_step(req)
+                return
+            victims = [r for r in self._active.values() if r.pausable_for(req)]
+            if victims:
+                await self._pause(max(victims))  # the least urgent, and of those the latest
+                self._seat(req)
+                await self._clear_first_step(req)
+                return
         req.slot = self._loop.create_future()
         heapq.heappush(self._waiting, req)
         try:
             await req.slot
         finally:
             req.slot = None
+        if not req.cancelled:
+            await self._clear_first_step(req)
+
+    def _held_back(self, req: _Request) -> bool:
+        return any(req.yields_to(p) for p in self._first_pending)
+
+    def _seat(self, req: _Request) -> None:
+        self._active[req.request_id] = req
+        if not req.output_ids:
+            self._first_pending.add(req)
+
+    async def _clear_first_step(self, req: _Request) -> None:
+        """Pause the less urgent requests that have not started: their prefill would share
+        ``req``'s first step."""
+        if req in self._first_pending:
+            for victim in [r for r in self._active.values() if r.pausable_for(req) and not r.output_ids]:
+                await self._pause(victim)
+
+    async def _pause(self, victim: _Request) -> None:
+        victim.paused = True  # its pump sees the abort and comes back to _admit
+        del self._active[victim.request_id]
+        self._first_pending.discard(victim)
+        await self._llm.abort(victim.engine_id)
 
     def _release(self, req: _Request) -> None:
-        if self._active.pop(req.request_id, None) is None:
-            if req in self._waiting:
-                self._waiting.remove(req)
-                heapq.heapify(self._waiting)
-            return
-        while self._waiting and len(self._active) < self._max_seqs:
+        self._first_pending.discard(req)
+        if self._active.pop(req.request_id, None) is None and req in self._waiting:
+            self._waiting.remove(req)
+            heapq.heapify(self._waiting)
+        self._fill()
+
+    def _fill(self) -> None:
+        # The heap is the most urgent first: once its head is held back, so is everything after it.
+        while self._waiting and len(self._active) < self._max_seqs and not self._held_back(self._waiting[0]):
             nxt = heapq.heappop(self._waiting)
-            self._active[nxt.request_id] = nxt
+            self._seat(nxt)
             nxt.slot.set_result(None)
 
     def _sampling_params(self, p: GenParams, done: int = 0) -> SamplingParams:
