@@ -98,7 +98,8 @@ class _Request:
 
 
 class EngineHost:
-    def __init__(self, checkpoint: str, settings: EngineSettings, tag: str | None = None):
+    def __init__(self, checkpoint: str, settings: EngineSettings, tag: str | None = None, pin: bool = False):
+        """``pin``: keep this process's threads off the CPUs the engine binds (the worker does)."""
         self._checkpoint = checkpoint
         self._settings = settings
         self._engine_args = settings.args
@@ -115,6 +116,8 @@ class EngineHost:
         self._waiting: list[_Request] = []  # a heap: the most urgent first (loop thread)
         self._first_pending: set[_Request] = set()  # admitted, no output yet (loop thread)
         self._requests: dict[str, _Request] = {}  # every request being generated (loop thread)
+        self._pin = pin
+        self._pinned = False  # this process's threads kept off the engine's CPUs
 
     def start(self) -> None:
         self._thread.start()
@@ -123,8 +126,30 @@ class EngineHost:
         except BaseException:
             self._stop_loop()
             raise
+        if self._pin:
+            self._keep_off_engine_cpus()
+
+    def _keep_off_engine_cpus(self) -> None:
+        """Pin every thread of this process to the CPUs the engine's compute threads are not bound
+        to: a token's bookkeeping here must never preempt the forward pass (threads started later
+        inherit the mask of the thread that starts them)."""
+        bound: set[int] = set()
+        for pid in _descendants(os.getpid()):
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"{envs.VLLM_PROCESS_NAME_PREFIX}::Worker".encode()):
+                    bound |= os.sched_getaffinity(pid)
+            except OSError:
+                continue
+        free = set(self._settings.cpus) - bound
+        if bound and free:  # else not a CPU engine, or no CPU left over: the kernel decides
+            _pin_process(free)
+            self._pinned = True
 
     async def _load(self) -> None:
+        if self._settings.cpus:
+            # The engine binds its threads within the mask it inherits: a restart after
+            # _keep_off_engine_cpus pinned this process must see every CPU again.
+            os.sched_setaffinity(0, self._settings.cpus)
         if self._tag is not None:
             os.environ[ENGINE_TAG_ENV] = self._tag
         os.environ.update(self._settings.env)  # read by the engine processes this spawns
@@ -342,6 +367,9 @@ class EngineHost:
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._close(), self._loop).result()
         self._stop_loop()
+        if self._pinned:  # the engine is gone: its CPUs are this process's again
+            _pin_process(set(self._settings.cpus))
+            self._pinned = False
 
     async def _close(self) -> None:
         pumps = list(self._pumps)
@@ -403,6 +431,30 @@ def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
 def _stat(pid: int) -> list[str]:
     # Fields after "(comm)", which may itself contain spaces: [state, ppid, ...].
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _pin_process(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                parents[int(proc.name)] = int(_stat(int(proc.name))[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        kids = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += kids
+        frontier = kids
+    return found
 
 
 def _descends_from_us(pid: int) -> bool:
