@@ -725,7 +725,8 @@ def memory(run, table: Table) -> None:
     if peaks:
         table.add("M1", "api gunicorn workers peak RSS (VmHWM, each)",
                   ", ".join(f"{v:.0f}" for v in peaks.values()) + " MiB", f"master {master:.0f} MiB",
-                  max(peaks.values()), "(info)", None, unit=" MiB", details={"pids": peaks})
+                  max(peaks.values()), "<= 200 MiB", max(peaks.values()) <= 200, unit=" MiB",
+                  details={"pids": peaks})
     if run.worker_proc is not None and run.worker_proc.poll() is None:
         main = vm_hwm_mib(run.worker_proc.pid)
         kids = {p: (proc_name(p), vm_hwm_mib(p)) for p in descendants(run.worker_proc.pid)}
