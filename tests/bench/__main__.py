@@ -41,7 +41,7 @@ KV_CACHE_GIB = 2
 ENGINE_ARGS = {"dtype": "auto", "max_model_len": 2048, "max_num_seqs": 64, "enforce_eager": True}
 # Production settings for every process (tests.harness.Stack sets short test leases).
 PRODUCTION_ENV = {"LMSP_LEASE_SECONDS": "30", "LMSP_HEARTBEAT_SECONDS": "5", "LMSP_SWEEP_SECONDS": "10",
-                  "LMSP_REQUEUE_AFTER_SECONDS": "60"}
+                  "LMSP_REQUEUE_AFTER_SECONDS": "60", "LMSP_TASK_DELTA_WINDOW_MS": "200"}
 # The bench submits thousands of tasks from one principal: lift the per-principal limits.
 LIMITS_ENV = {"LMSP_MAX_QUEUED_TASKS_PER_PRINCIPAL": "10000000", "LMSP_MAX_QUEUE_DEPTH": "10000000",
               "LMSP_MAX_STREAMS_PER_PRINCIPAL": "100000",
