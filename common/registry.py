@@ -154,6 +154,7 @@ class EngineSettings:
     args: dict                                  # vLLM engine arguments, nothing left to "auto"
     env: dict = field(default_factory=dict)     # for the engine processes (VLLM_CPU_*)
     resolved: dict = field(default_factory=dict)  # what was chosen and why, for logs and `lmsp models list`
+    cpus: tuple[int, ...] = ()                  # the CPUs the engine may bind its threads to (CPU device)
 
     def summary(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.resolved.items())
@@ -194,7 +195,7 @@ def resolve_engine(spec: ModelSpec, machine: Machine, environ=None) -> EngineSet
     if machine.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"], resolved["kv_cache"] = _cpu_kv_cache(spec, args, machine, environ)
         resolved["omp_threads"] = _cpu_threads(machine, environ)
-    return EngineSettings(args=args, env=env, resolved=resolved)
+    return EngineSettings(args=args, env=env, resolved=resolved, cpus=machine.cpus if machine.device == "cpu" else ())
 
 
 def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tuple[str, str]:
@@ -216,7 +217,8 @@ def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tup
 def _cpu_threads(machine: Machine, environ) -> str:
     """vLLM's CPU backend binds its OpenMP threads itself ("auto": one per physical core of the
     first NUMA node) and keeps the last core (VLLM_CPU_NUM_OF_RESERVED_CPU, default 1) free for
-    its scheduler, which is also where this worker's own threads run. Described here, not changed."""
+    its scheduler; the worker pins its own threads off the cores the engine bound (worker/engine.py).
+    Described here, not changed."""
     bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     if bind != "auto":
         return f"{bind} (environment)"

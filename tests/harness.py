@@ -81,6 +81,8 @@ class Stack:
             "LMSP_HEARTBEAT_SECONDS": "1",
             "LMSP_SWEEP_SECONDS": "1",
             "LMSP_REQUEUE_AFTER_SECONDS": "3",
+            # Tests count a task's deltas as it runs (the fault tests stop it after a few): one a token.
+            "LMSP_TASK_DELTA_WINDOW_MS": "20",
             "PYTHONUNBUFFERED": "1",
         }
         if redis:

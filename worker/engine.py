@@ -13,6 +13,11 @@ one to finish; instead the host pauses the least urgent background request (abor
 keeps its tokens) and resubmits it as prompt + output so far once a slot frees (the
 prefix cache makes that cheap). Structured-output requests are never paused: their
 grammar cannot restart mid-output.
+
+Until a person's request has its first token, the step that computes it carries no less
+urgent prefill: background requests not yet started are paused (they lose at most a partial
+prefill) and none is admitted or resumed, so its time to first token is the batch's decode
+step plus its own prompt, not a refill of the batch.
 """
 
 from __future__ import annotations
@@ -82,15 +87,19 @@ class _Request:
     def engine_id(self) -> str:
         return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
 
+    def yields_to(self, other: _Request) -> bool:
+        return self.params.priority > other.params.priority
+
     def pausable_for(self, other: _Request) -> bool:
-        return self.params.priority > other.params.priority and self.params.json_schema is None
+        return self.yields_to(other) and self.params.json_schema is None
 
     def __lt__(self, other: _Request) -> bool:
         return self.order < other.order
 
 
 class EngineHost:
-    def __init__(self, checkpoint: str, settings: EngineSettings, tag: str | None = None):
+    def __init__(self, checkpoint: str, settings: EngineSettings, tag: str | None = None, pin: bool = False):
+        """``pin``: keep this process's threads off the CPUs the engine binds (the worker does)."""
         self._checkpoint = checkpoint
         self._settings = settings
         self._engine_args = settings.args
@@ -105,7 +114,10 @@ class EngineHost:
         self._pumps: set[asyncio.Task] = set()  # touched only on the loop thread
         self._active: dict[str, _Request] = {}  # admitted to the engine (loop thread)
         self._waiting: list[_Request] = []  # a heap: the most urgent first (loop thread)
+        self._first_pending: set[_Request] = set()  # admitted, no output yet (loop thread)
         self._requests: dict[str, _Request] = {}  # every request being generated (loop thread)
+        self._pin = pin
+        self._pinned = False  # this process's threads kept off the engine's CPUs
 
     def start(self) -> None:
         self._thread.start()
@@ -114,8 +126,30 @@ class EngineHost:
         except BaseException:
             self._stop_loop()
             raise
+        if self._pin:
+            self._keep_off_engine_cpus()
+
+    def _keep_off_engine_cpus(self) -> None:
+        """Pin every thread of this process to the CPUs the engine's compute threads are not bound
+        to: a token's bookkeeping here must never preempt the forward pass (threads started later
+        inherit the mask of the thread that starts them)."""
+        bound: set[int] = set()
+        for pid in _descendants(os.getpid()):
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"{envs.VLLM_PROCESS_NAME_PREFIX}::Worker".encode()):
+                    bound |= os.sched_getaffinity(pid)
+            except OSError:
+                continue
+        free = set(self._settings.cpus) - bound
+        if bound and free:  # else not a CPU engine, or no CPU left over: the kernel decides
+            _pin_process(free)
+            self._pinned = True
 
     async def _load(self) -> None:
+        if self._settings.cpus:
+            # The engine binds its threads within the mask it inherits: a restart after
+            # _keep_off_engine_cpus pinned this process must see every CPU again.
+            os.sched_setaffinity(0, self._settings.cpus)
         if self._tag is not None:
             os.environ[ENGINE_TAG_ENV] = self._tag
         os.environ.update(self._settings.env)  # read by the engine processes this spawns
@@ -194,6 +228,9 @@ class EngineHost:
                         if req.paused and c.finish_reason == "abort" and not req.cancelled:
                             break  # paused by the gate, not ended: the consumer sees nothing
                         req.output_ids += c.token_ids
+                        if req in self._first_pending:
+                            self._first_pending.discard(req)
+                            self._fill()  # what it held back may start now
                         out.put(
                             Delta(
                                 text=c.text,
@@ -227,33 +264,59 @@ class EngineHost:
         request if the batch is full."""
         if req.cancelled:
             return
-        if len(self._active) < self._max_seqs:
-            self._active[req.request_id] = req
-            return
-        victims = [r for r in self._active.values() if r.pausable_for(req)]
-        if victims:
-            victim = max(victims)  # the least urgent, and of those the latest
-            victim.paused = True  # its pump sees the abort and comes back here
-            del self._active[victim.request_id]
-            self._active[req.request_id] = req
-            await self._llm.abort(victim.engine_id)
-            return
+        if not self._held_back(req):
+            if len(self._active) < self._max_seqs:
+                self._seat(req)
+                await self._clear_first_step(req)
+                return
+            victims = [r for r in self._active.values() if r.pausable_for(req)]
+            if victims:
+                await self._pause(max(victims))  # the least urgent, and of those the latest
+                self._seat(req)
+                await self._clear_first_step(req)
+                return
         req.slot = self._loop.create_future()
         heapq.heappush(self._waiting, req)
         try:
             await req.slot
         finally:
             req.slot = None
+        if not req.cancelled:
+            await self._clear_first_step(req)
+
+    def _held_back(self, req: _Request) -> bool:
+        return any(req.yields_to(p) for p in self._first_pending)
+
+    def _seat(self, req: _Request) -> None:
+        self._active[req.request_id] = req
+        if not req.output_ids:
+            self._first_pending.add(req)
+
+    async def _clear_first_step(self, req: _Request) -> None:
+        """Pause the less urgent requests that have not started: their prefill would share
+        ``req``'s first step."""
+        if req in self._first_pending:
+            for victim in [r for r in self._active.values() if r.pausable_for(req) and not r.output_ids]:
+                await self._pause(victim)
+
+    async def _pause(self, victim: _Request) -> None:
+        victim.paused = True  # its pump sees the abort and comes back to _admit
+        del self._active[victim.request_id]
+        self._first_pending.discard(victim)
+        await self._llm.abort(victim.engine_id)
 
     def _release(self, req: _Request) -> None:
-        if self._active.pop(req.request_id, None) is None:
-            if req in self._waiting:
-                self._waiting.remove(req)
-                heapq.heapify(self._waiting)
-            return
-        while self._waiting and len(self._active) < self._max_seqs:
+        self._first_pending.discard(req)
+        if self._active.pop(req.request_id, None) is None and req in self._waiting:
+            self._waiting.remove(req)
+            heapq.heapify(self._waiting)
+        self._fill()
+
+    def _fill(self) -> None:
+        # The heap is the most urgent first: once its head is held back, so is everything after it.
+        while self._waiting and len(self._active) < self._max_seqs and not self._held_back(self._waiting[0]):
             nxt = heapq.heappop(self._waiting)
-            self._active[nxt.request_id] = nxt
+            self._seat(nxt)
             nxt.slot.set_result(None)
 
     def _sampling_params(self, p: GenParams, done: int = 0) -> SamplingParams:
@@ -304,6 +367,9 @@ class EngineHost:
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._close(), self._loop).result()
         self._stop_loop()
+        if self._pinned:  # the engine is gone: its CPUs are this process's again
+            _pin_process(set(self._settings.cpus))
+            self._pinned = False
 
     async def _close(self) -> None:
         pumps = list(self._pumps)
@@ -365,6 +431,30 @@ def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
 def _stat(pid: int) -> list[str]:
     # Fields after "(comm)", which may itself contain spaces: [state, ppid, ...].
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _pin_process(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                parents[int(proc.name)] = int(_stat(int(proc.name))[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        kids = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += kids
+        frontier = kids
+    return found
 
 
 def _descends_from_us(pid: int) -> bool:

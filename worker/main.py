@@ -56,7 +56,7 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
 
     def new_engine() -> EngineHost:
         log.info("loading %s from %s: %s", spec.id, spec.checkpoint, resolved.summary())
-        host = EngineHost(spec.checkpoint, resolved, tag=worker_id)
+        host = EngineHost(spec.checkpoint, resolved, tag=worker_id, pin=True)
         host.start()
         return host
 

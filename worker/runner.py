@@ -92,7 +92,11 @@ class Job:
                            priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY)
         prompt = render(tokenizer, self.req, continuation=builder.raw)
         output_tokens, finish_reason, error = prior_output_tokens, None, None
-        window, max_window_tokens = settings.delta_window_ms / 1000, settings.delta_max_tokens
+        # A person reading a stream gets every token at once; a task's log and a non-streamed response
+        # get them a few at a time: per event, a row, a publish and a wake-up of every follower.
+        streamed = self.attempt.task_id is None and self.req.stream
+        window = (settings.delta_window_ms if streamed else settings.task_delta_window_ms) / 1000
+        max_window_tokens = settings.delta_max_tokens
         pending, pending_tokens, last_flush, started = "", 0, 0.0, False
         began = first_token_at = time.monotonic()
         with ctx.lock:

@@ -105,7 +105,8 @@ class DirectWatch:
 
 
 def check_task_limits(svc: Services, session: Session, principal: str, prepared: Prepared) -> None:
-    # Count and insert under transaction-scoped advisory locks (the principal's and the model's,
+    """Called with the new task flushed (uncommitted) in ``session``: it counts itself."""
+    # Count and commit under transaction-scoped advisory locks (the principal's and the model's,
     # always in one order: no deadlock), so concurrent POSTs cannot all see room and overshoot.
     if session.get_bind().dialect.name == "postgresql":
         for name in sorted((f"principal:{principal}", f"model:{prepared.spec.id}")):
@@ -114,6 +115,7 @@ def check_task_limits(svc: Services, session: Session, principal: str, prepared:
     mine, total = session.execute(
         select(func.count().filter(Task.principal_id == principal), func.count().filter(Task.model == prepared.spec.id))
         .where(Task.status == QUEUED, or_(Task.model == prepared.spec.id, Task.principal_id == principal))).one()
+    mine, total = mine - 1, total - 1  # the others'
     if mine >= svc.settings.max_queued_tasks_per_principal:
         raise LMSPError("rate_limited", f"You have {mine} queued tasks, the limit is "
                         f"{svc.settings.max_queued_tasks_per_principal}; wait for some to finish",

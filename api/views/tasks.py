@@ -25,16 +25,18 @@ from common.errors import LMSPError
 from common.events import REASONING_DELTA, TEXT_DELTA
 from common.ids import is_id
 from common.protocol import TaskRequest, parse
-from common.states import STATES, SUCCEEDED, TERMINAL
+from common.states import LOADING, QUEUED, STATES, SUCCEEDED, TERMINAL
 from common.tables import Response as ResponseRow
 from common.tables import Task
 
 bp = Blueprint("tasks", __name__, url_prefix="/lmsp/v1/tasks")
-# A long poll re-reads the task when its response's channel carries anything but text, and on
-# this timer: loading -> running publishes no event, and a notification may be lost.
+# A long poll re-reads the task when its response's channel carries anything but text (or anything
+# at all before the task runs: loading -> running publishes no event, its first text says it), and
+# on this timer: queued -> loading publishes nothing, and a notification may be lost.
 WAIT_RECHECK_SECONDS = 5.0
 WAIT_RECHECK_WITHOUT_REDIS = 0.5
 TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})
+NOT_STARTED = frozenset({QUEUED, LOADING})
 
 
 def _accepted(doc: dict) -> Response:
@@ -58,12 +60,15 @@ def create():
         except LMSPError as exc:
             exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
             raise
-        check_task_limits(svc, session, who, prepared)
         task = new_task(session, who, prepared, envelope.on_restart)
         if key is not None:
             # Same transaction as the task: a task exists exactly when its key is recorded.
             session.add(idempotency.record_for_insert(key, status_code=202, task_id=task.id))
         try:
+            # Inserted before the limits' locks are taken: every POST /tasks of a model waits for
+            # them, so they are held for the count and the commit only.
+            session.flush()
+            check_task_limits(svc, session, who, prepared)
             session.commit()
         except IntegrityError:
             session.rollback()  # a concurrent request with the same key won the race
@@ -132,8 +137,9 @@ def _wait_for_change(svc, who: str, task_id: str, response_id: str, unchanged, w
                 return doc
             while (now := time.monotonic()) < min(deadline, read_at + recheck):
                 batch = sub.get(timeout=min(deadline, read_at + recheck) - now)
-                if batch is not None and not all(name in TEXT_ONLY for _, name, _ in batch):
-                    break  # a state event (or a reconnect, []): read the task again
+                if batch is not None and (doc["status"] in NOT_STARTED
+                                          or not all(name in TEXT_ONLY for _, name, _ in batch)):
+                    break  # a state event, a first token (or a reconnect, []): read the task again
 
 
 @bp.post("/<task_id>/cancel")

@@ -3,7 +3,8 @@
 Figures (see ``__main__`` for the order they run in):
 
 * B1 throughput efficiency: 64 concurrent tasks of 128 tokens through the whole service
-  (POST /tasks -> Celery -> worker -> Postgres, polled with GET /tasks/{id}) / the same
+  (POST /tasks -> Celery -> worker -> Postgres, each client waiting with the long poll
+  GET /tasks/{id}?wait=30) / the same
   prompts sent to one ``worker.engine.EngineHost`` in this process.
 * B2 first-token overhead: streaming POST /responses time to the first text delta minus
   the engine's time to first text, p50 and p95 over 30 sequential requests.

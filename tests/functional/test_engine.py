@@ -35,8 +35,8 @@ def run(host, rid, prompt, priority, out, tokens=TOKENS):
             first = time.monotonic() - start
         text += delta.text
         final = delta
-    out[rid] = {"text": text, "first": first, "end": time.monotonic(), "finish": final.finish_reason,
-                "prompt_tokens": final.prompt_tokens}
+    out[rid] = {"text": text, "first": first, "first_at": start + first if first is not None else None,
+                "end": time.monotonic(), "finish": final.finish_reason, "prompt_tokens": final.prompt_tokens}
 
 
 def test_interactive_pauses_background_and_background_resumes_intact(host):
@@ -84,3 +84,23 @@ def test_abort_while_waiting_for_a_slot(host):
     assert "hold-0" not in got  # it ended while the batch was still busy
     for t in threads:
         t.join()
+
+
+def test_first_token_step_carries_no_background_prefill(host):
+    person = "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    background = "<|im_start|>user\nTell me about lakes.<|im_end|>\n<|im_start|>assistant\n"
+    alone: dict = {}
+    run(host, "lakes-alone", background, BACKGROUND, alone)
+    got: dict = {}
+    p = threading.Thread(target=run, args=(host, "first", person, INTERACTIVE, got, 8))
+    p.start()
+    while "first" not in host._active:
+        time.sleep(0.001)
+    # A free slot, but the person's first token is still being computed: the background request waits
+    # for it (or, admitted before it, is paused: it had no output yet) ...
+    run(host, "lakes", background, BACKGROUND, got)
+    p.join()
+    assert got["lakes"]["first_at"] > got["first"]["first_at"]
+    # ... and loses nothing by it.
+    assert got["lakes"]["finish"] == "length"
+    assert got["lakes"]["prompt_tokens"] == alone["lakes-alone"]["prompt_tokens"]
