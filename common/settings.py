@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     drain_seconds: float = 120.0      # SIGTERM: running generations get this long before they are handed on
     # Event pipeline.
     delta_window_ms: float = 20.0     # coalesce token deltas over this window ...
-    task_delta_window_ms: Interval = 200.0  # ... this one for tasks and non-streamed responses (read by polls)
+    task_delta_window_ms: float = 200.0  # ... this one for tasks and non-streamed responses (read by polls)
     delta_max_tokens: Count = 16      # ... or this many tokens, whichever first
     sse_heartbeat_seconds: Interval = 0.5
     poll_interval_seconds: Interval = 0.05  # how often followers re-read the log without Redis
