@@ -10,8 +10,9 @@ Figures (see ``__main__`` for the order they run in):
   the engine's time to first text, p50 and p95 over 30 sequential requests.
 * B3 acceptance rate: POST /tasks per second / GET /lmsp/v1 per second, 32 client
   threads, gunicorn as ``lmsp serve`` runs it, for a model no worker serves.
-* B4 fan-out: 200 SSE followers of one running task; p99 lag from an event's
-  ``events.created_at`` to its arrival.
+* B4 fan-out: 1000 SSE followers of one running task (``LMSP_BENCH_B4_CLIENTS``); p99 lag
+  from an event's ``events.created_at`` to its arrival, connect storm included. B4b, the
+  goal, runs an api with a stream slot per follower; B4 shows what ``lmsp serve``'s defaults refuse.
 * B5 replay: events/s of GET /tasks/{id}/events over a 100,000-event log / rows/s of a
   plain SELECT of the same rows.
 * B6 interactive under load: time to first token of a streaming POST /responses with 200

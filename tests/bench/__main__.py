@@ -34,7 +34,7 @@ B2_REQUESTS, B2_TOKENS = 30, 8
 B2_PROMPT = "Say hello in one sentence."
 B0_PROMPT, B0_TOKENS = "Write a long story about a dragon who learns to read.", 128
 B3_THREADS, B3_SECONDS = 32, float(os.environ.get("LMSP_BENCH_B3_SECONDS", "4"))
-B4_CLIENTS, B4_TOKENS = 200, 128
+B4_CLIENTS, B4_TOKENS = int(os.environ.get("LMSP_BENCH_B4_CLIENTS", "1000")), 128
 B5_EVENTS = 100_000
 B6_QUEUED, B6_LOAD_TOKENS = 200, 128
 KV_CACHE_GIB = 2
@@ -336,7 +336,7 @@ def start_api(stack, log_name: str, workers: int, threads: int) -> str:
     """Like tests.harness.Stack.start_api (same argv), with a wait that survives slow boots."""
     from tests.harness import api_argv, free_port
     port = free_port()
-    stack.spawn(api_argv(port, workers, threads), log_name)
+    stack.spawn(api_argv(port, workers, threads), log_name, LMSP_API_THREADS=str(threads))  # its stream slots
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/healthz", stack.tmp / log_name)
     return base
@@ -651,8 +651,10 @@ def b4(run, table: Table) -> None:
     from tests.bench import service as svc
     # The production config first; then an api with a thread per follower, to tell the fan-out
     # path's own latency apart from waiting for a free gunicorn thread.
-    sized_base = start_api(run.stack, "api-sized.log", workers=2, threads=256)
-    for fid, base, label in (("B4", run.api, "production api, lmsp serve settings"), ("B4b", sized_base, "api 2x256 threads")):
+    threads = max(256, B4_CLIENTS // 2 + 32)  # a slot per follower, beside the reserved ones
+    sized_base = start_api(run.stack, "api-sized.log", workers=2, threads=threads)
+    for fid, base, label in (("B4", run.api, "production api, lmsp serve settings"),
+                             ("B4b", sized_base, f"api 2x{threads} threads")):
         reps = []
         for rep in range(REPS):
             r = svc.fan_out(run, base, B4_CLIENTS, B4_TOKENS, essay_prompt(rep + 7))
@@ -672,7 +674,8 @@ def b4(run, table: Table) -> None:
                   f"p99 {p99:.0f} ms (once all connected {steady_s})",
                   f"{complete}/{B4_CLIENTS} got every event, {failed} refused, "
                   f"{max(r['stalled_over_1s'] for r in reps)} waited >1s",
-                  p99, "<= 100 ms" if fid == "B4" else "(info)", ok if fid == "B4" else None,
+                  # The goal is the issue's: stream caps raised for the bench (B4b); B4 shows lmsp serve's.
+                  p99, "<= 100 ms" if fid == "B4b" else "(info)", ok if fid == "B4b" else None,
                   unit=" ms", details={"reps": reps})
 
 
