@@ -441,9 +441,10 @@ def _served_models(http: lc.Client, as_json: bool) -> None:
 @click.option("--json-schema", "schema_file", type=click.File("r"),
               help="Answer as JSON that matches this JSON Schema file.")
 @click.option("--max-output-tokens", type=click.IntRange(1))
-def ask(http: lc.Client, prompt: str, model, schema_file, max_output_tokens, as_json: bool) -> None:
+@click.option("--temperature", type=click.FloatRange(0, 2), help="0 for the most likely answer, every time.")
+def ask(http: lc.Client, prompt: str, model, schema_file, max_output_tokens, temperature, as_json: bool) -> None:
     """Ask once; the answer streams to the terminal as it is generated."""
-    fields = {"max_output_tokens": max_output_tokens}
+    fields = {"max_output_tokens": max_output_tokens, "temperature": temperature}
     if schema_file is not None:
         try:
             schema = json.load(schema_file)
