@@ -317,6 +317,12 @@ def fail_unclaimed_direct(session: Session, response_id: str, error: dict) -> bo
 DIRECT_WORKER_STOPPED = "The worker generating this response stopped; send the request again"
 
 
+def worker_expired(session: Session, worker_id: str, lease_seconds: float) -> bool:
+    """Whether the worker's lease expired by the database's clock."""
+    return bool(session.execute(select(Worker.id).where(
+        Worker.id == worker_id, Worker.heartbeat_at < db_now() - lease_seconds)).first())
+
+
 def fail_orphaned_direct(session: Session, response_id: str, lease_seconds: float) -> bool:
     """A direct response whose worker's lease expired (by the database's clock): with no other worker
     left to sweep, its waiting client's stream ends here."""

@@ -66,12 +66,13 @@ class DirectWatch:
     forever: a response still queued has its message sent again every
     ``direct_requeue_after_seconds`` (the broker lost it, or a paused worker took it;
     ``claim_direct`` makes a copy harmless) and fails ``model_unavailable`` once no worker has served
-    its model for ``lease_seconds``; one whose worker's lease expired fails ``server_restarted``
-    (a worker's sweeper does the same, but there may be no other worker)."""
+    its model for ``lease_seconds``; one whose worker's lease expired (and stayed so for another
+    lease) fails ``server_restarted`` (a worker's sweeper does the same, but there may be none left)."""
 
     def __init__(self, svc: Services, response_id: str, spec):
         self.svc, self.response_id, self.spec = svc, response_id, spec
         self.sent = self.served = time.monotonic()
+        self.orphaned: float | None = None  # since when its worker has looked expired
 
     def __call__(self) -> list[tuple[str, str]] | None:
         with self.svc.sessions() as session:
@@ -89,7 +90,14 @@ class DirectWatch:
         """True when it failed the response now."""
         settings, now = self.svc.settings, time.monotonic()
         if row.status == R.IN_PROGRESS:
-            return lifecycle.fail_orphaned_direct(session, row.id, settings.lease_seconds)
+            # Expired for a whole lease more, as this api saw it: right after a database outage every
+            # heartbeat looks old until the live workers write again (the sweepers wait likewise).
+            if not lifecycle.worker_expired(session, row.worker_id, settings.lease_seconds):
+                self.orphaned = None
+                return False
+            self.orphaned = self.orphaned or now
+            return now - self.orphaned >= settings.lease_seconds and \
+                lifecycle.fail_orphaned_direct(session, row.id, settings.lease_seconds)
         if row.status != R.QUEUED:
             return False
         if lifecycle.live_workers(session, settings.lease_seconds).get(self.spec.id):
