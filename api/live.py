@@ -82,17 +82,24 @@ class Hub:
             self._thread = threading.Thread(target=self._listen, name="lmsp-hub", daemon=True)
             self._thread.start()
 
-    def subscribe(self, response_id: str) -> Subscription:
+    def subscribe(self, response_id: str, confirm: bool = True) -> Subscription:
+        """Nothing published after this returns is missed; with ``confirm=False`` only after
+        ``confirm(sub)`` returns (the caller does other work while Redis confirms)."""
         sub = Subscription(self, response_id)
-        name = channel(response_id)
         with self._lock:
             first = not self._subs[response_id]
             self._subs[response_id].add(sub)
             if first and self.connected:
-                self._send(lambda ps: ps.subscribe(name))
-            if self.connected:  # nothing published after this returns is missed
-                self._changed.wait_for(lambda: name in self._confirmed or not self.connected, CONFIRM_SECONDS)
+                self._send(lambda ps: ps.subscribe(channel(response_id)))
+        if confirm:
+            self.confirm(sub)
         return sub
+
+    def confirm(self, sub: Subscription) -> None:
+        name = channel(sub.response_id)
+        with self._lock:
+            if self.connected:
+                self._changed.wait_for(lambda: name in self._confirmed or not self.connected, CONFIRM_SECONDS)
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._lock:

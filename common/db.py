@@ -9,7 +9,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
-from sqlalchemy import Float, create_engine, event
+from sqlalchemy import Float, create_engine, event, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, NoSuchModuleError, OperationalError
 from sqlalchemy.ext.compiler import compiles
@@ -93,6 +93,15 @@ def transaction(factory: sessionmaker[Session]):
     """A session whose work commits at the end of the block, or rolls back on error."""
     with factory() as session, session.begin():
         yield session
+
+
+def commit_lazily(session: Session) -> None:
+    """Let this transaction's commit return before its WAL reaches the disk (Postgres'
+    ``synchronous_commit = off``: ~1 ms less per commit here). Only for rows a crash of the
+    database server may lose without losing a task or a logged event: a direct response, which
+    belongs to its HTTP connection (6.4). A later ordinary commit makes it durable too."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL synchronous_commit = off"))
 
 
 def alembic_config(url: str) -> Config:

@@ -17,7 +17,7 @@ from sqlalchemy import func, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from common import eventlog, events
-from common.db import db_now
+from common.db import commit_lazily, db_now
 from common.errors import LMSPError, problem
 from common.events import dumps
 from common.ids import is_id, new_id
@@ -33,6 +33,7 @@ from common.states import (
     TASK_OUTCOME,
     R,
     respond,
+    respond_returning,
     transition,
 )
 from common.tables import Response, Task, Worker
@@ -85,6 +86,7 @@ def create_task(session: Session, response: Response, on_restart: str) -> Task:
 
 
 def create_direct(session: Session, response: Response) -> Response:
+    commit_lazily(session)  # a person waits for this commit; a direct response is not durable work
     session.add(response)
     return response
 
@@ -145,9 +147,9 @@ def claim(session: Session, task_id: str, worker_id: str) -> tuple[Claim | None,
 
 
 def claim_direct(session: Session, response_id: str, worker_id: str) -> tuple[Attempt, Response] | None:
-    if not respond(session, response_id, R.IN_PROGRESS, only_from=[R.QUEUED], worker_id=worker_id):
-        return None
-    return Attempt(response_id, None, 0, worker_id), session.get(Response, response_id, populate_existing=True)
+    commit_lazily(session)  # on the way to a person's first token, like create_direct
+    row = respond_returning(session, response_id, R.IN_PROGRESS, only_from=[R.QUEUED], worker_id=worker_id)
+    return None if row is None else (Attempt(response_id, None, 0, worker_id), row)
 
 
 def _current(session: Session, attempt: Attempt) -> Task | None:

@@ -90,13 +90,28 @@ def transition(session: Session, task_id: str, target: str, *, only_from=None, w
     return session.execute(stmt).rowcount == 1
 
 
-def respond(session: Session, response_id: str, target: str, *, only_from=None, where=(), **values) -> bool:
-    """The same for a response row."""
-    from common.tables import Response
+def _respond(response_id: str, target: str, only_from, where, values):
+    from common.tables import Response  # the table module imports nothing from here
 
     allowed_from = sources(target, RESPONSE_TRANSITIONS)
     if only_from is not None:
         allowed_from = [s for s in allowed_from if s in set(only_from)]
-    stmt = (update(Response).where(Response.id == response_id, Response.status.in_(allowed_from), *where)
+    if not allowed_from:
+        return None
+    return (update(Response).where(Response.id == response_id, Response.status.in_(allowed_from), *where)
             .values(status=target, updated_at=time.time(), **values))
-    return bool(allowed_from) and session.execute(stmt).rowcount == 1
+
+
+def respond(session: Session, response_id: str, target: str, *, only_from=None, where=(), **values) -> bool:
+    """The same for a response row."""
+    stmt = _respond(response_id, target, only_from, where, values)
+    return stmt is not None and session.execute(stmt).rowcount == 1
+
+
+def respond_returning(session: Session, response_id: str, target: str, *, only_from=None, **values):
+    """``respond`` that returns the updated row (None if this call did not win), in one round trip."""
+    from common.tables import Response
+
+    stmt = _respond(response_id, target, only_from, (), values)
+    return None if stmt is None else session.execute(
+        stmt.returning(Response).execution_options(populate_existing=True)).scalar_one_or_none()

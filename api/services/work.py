@@ -37,14 +37,17 @@ def ensure_available(svc: Services, session: Session, model_id: str) -> None:
                         "or submit a task, which waits in the queue", retry_after=10)
 
 
-def create_direct(svc: Services, principal: str, prepared: Prepared, before_dispatch=None) -> str:
-    """``before_dispatch(response_id)`` runs between the commit and the dispatch: the caller
-    subscribes to the response's events there, so it misses none of them."""
+def create_direct(svc: Services, principal: str, prepared: Prepared, before_commit=None,
+                  before_dispatch=None) -> str:
+    """``before_commit(response_id)`` and ``before_dispatch(response_id)`` run around the commit: the
+    caller subscribes to the response's events there, so it misses none of them."""
+    stored = prepared.request.store and prepared.spec.public_capabilities()["conversations"]  # else ignored (6.1)
+    row = _response_row(prepared, principal, R.QUEUED, stored)
+    if before_commit is not None:
+        before_commit(row.id)
     with svc.sessions() as session:
         ensure_available(svc, session, prepared.spec.id)
-        # Without capability conversations, store is ignored (6.1).
-        stored = prepared.request.store and prepared.spec.public_capabilities()["conversations"]
-        row = lifecycle.create_direct(session, _response_row(prepared, principal, R.QUEUED, stored))
+        lifecycle.create_direct(session, row)
         session.commit()
     if before_dispatch is not None:
         before_dispatch(row.id)
@@ -80,10 +83,14 @@ class DirectWatch:
             if row is not None and self._unstick(session, row):
                 session.commit()
                 row = session.get(Response, self.response_id, populate_existing=True)
-        if row is None or row.status in (R.QUEUED, R.IN_PROGRESS):
+        if row is None:  # lost with its lazy commit (lifecycle.create_direct) by a database crash
+            name, data = events.final(self.response_id, R.FAILED, error=lifecycle.restarted_error(
+                "The database restarted and lost this response; send the request again"))
+        elif row.status in (R.QUEUED, R.IN_PROGRESS):
             return None
-        name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
-                                  incomplete_details=row.incomplete_details)
+        else:
+            name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
+                                      incomplete_details=row.incomplete_details)
         return [(name, dumps(data))]  # numbered by the follower after the last event it sent
 
     def _unstick(self, session: Session, row: Response) -> bool:

@@ -32,11 +32,14 @@ def create():
     subscription = None
 
     def subscribe(response_id: str) -> None:
-        nonlocal subscription  # before the dispatch: the first event cannot be published to nobody
-        subscription = svc.hub.subscribe(response_id)
+        nonlocal subscription  # Redis confirms while Postgres commits
+        subscription = svc.hub.subscribe(response_id, confirm=False)
+
+    def confirmed(_response_id: str) -> None:
+        svc.hub.confirm(subscription)  # before the dispatch: the first event cannot be published to nobody
 
     try:
-        response_id = create_direct(svc, who, prepared, before_dispatch=subscribe)
+        response_id = create_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed)
     except BaseException:
         if subscription is not None:
             subscription.close()

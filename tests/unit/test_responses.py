@@ -88,3 +88,32 @@ def test_a_direct_request_whose_worker_stopped_heartbeating_ends(tmp_path):
             problem(resp, 500, "server_restarted")
         finally:
             frozen.set()
+
+
+def test_a_direct_response_the_database_lost_ends(tmp_path):
+    """Its row was committed lazily (lifecycle.create_direct) and a database crash lost it: the waiting
+    client gets server_restarted, not a stream that waits for a row that will never change."""
+    import threading
+
+    from sqlalchemy import delete
+
+    from common.tables import Response
+    from tests.unit.conftest import make_unit
+
+    unit = make_unit(tmp_path)
+    frozen = threading.Event()
+
+    def crash():
+        worker.claimed.wait(10)
+        with unit.sessions() as session:
+            session.execute(delete(Response))
+            session.commit()
+
+    with FakeWorker(unit.sessions, MODEL, gate=frozen) as worker:
+        threading.Thread(target=crash, daemon=True).start()
+        try:
+            resp = unit.as_("erin").post("/lmsp/v1/responses", request_body())
+            problem(resp, 500, "server_restarted")
+            assert "send the request again" in resp.get_json()["detail"]
+        finally:
+            frozen.set()
