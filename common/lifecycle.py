@@ -361,13 +361,31 @@ def due_dispatches(session: Session, model: str, requeue_after: float, *, force:
         dispatched_at=now, dispatches=Task.dispatches + 1).returning(Task.id)).scalars())
 
 
-def heartbeat(session: Session, worker_id: str, model: str, *, running: int, ready: bool,
-              stopped: bool = False) -> None:
+class Replaced(Exception):
+    """Another process booted with this worker id after this one: this one must stop."""
+
+
+def heartbeat(session: Session, worker_id: str, model: str, started_at: float, *, running: int, ready: bool,
+              stopped: bool = False, boot: bool = False) -> None:
+    """``boot``: this process (``started_at``) takes the id; every later heartbeat is conditional on
+    it still holding it, and raises Replaced once another process took the id over."""
     values = {"heartbeat_at": db_now(), "model": model, "running": running, "ready": ready and not stopped,
               "stopped_at": db_now() if stopped else None}
-    if session.execute(update(Worker).where(Worker.id == worker_id).values(**values)).rowcount == 0:
-        session.add(Worker(id=worker_id, started_at=time.time(), **values))
-        session.flush()
+    mine = () if boot else (Worker.started_at == started_at,)
+    if session.execute(update(Worker).where(Worker.id == worker_id, *mine).values(
+            **values, started_at=started_at)).rowcount:
+        return
+    if not boot and session.get(Worker, worker_id) is not None:
+        raise Replaced(worker_id)
+    session.add(Worker(id=worker_id, started_at=started_at, **values))
+    session.flush()
+
+
+def heartbeat_of(session: Session, worker_id: str) -> tuple[float, float] | None:
+    """(the last heartbeat, its age by the database's clock) of a worker id that did not stop."""
+    row = session.execute(select(Worker.heartbeat_at, db_now() - Worker.heartbeat_at).where(
+        Worker.id == worker_id, Worker.stopped_at.is_(None))).one_or_none()
+    return None if row is None else (row[0], row[1])
 
 
 def live_workers(session: Session, lease_seconds: float) -> dict[str, int]:

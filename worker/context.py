@@ -39,6 +39,7 @@ class WorkerContext:
     publisher: Publisher
     writer: "object"  # worker.writer.EventWriter
     engine: "object"  # worker.engine.EngineHost; replaced when the engine is restarted
+    started_at: float = field(default_factory=time.time)  # this process's hold on worker_id (its heartbeats)
     stopping: threading.Event = field(default_factory=threading.Event)   # the process is ending
     draining: threading.Event = field(default_factory=threading.Event)   # SIGTERM: claim nothing more
     engine_ok: threading.Event = field(default_factory=threading.Event)  # the engine can take requests

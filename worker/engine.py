@@ -23,6 +23,7 @@ step plus its own prompt, not a refill of the batch.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import heapq
 import itertools
 import multiprocessing
@@ -47,6 +48,13 @@ from common.registry import EngineSettings
 # Inherited by the spawned EngineCore process, so a restarted worker can find
 # the engine its SIGKILLed predecessor left behind (see kill_stale_engines).
 ENGINE_TAG_ENV = "LMSP_ENGINE_TAG"
+# The same for the database a worker serves: two deployments on one host (two `lmsp dev`, say) may
+# reuse a worker id, and must never end each other's engines.
+DEPLOYMENT_ENV = "LMSP_ENGINE_DEPLOYMENT"
+
+
+def mark_deployment(database_url: str) -> None:
+    os.environ[DEPLOYMENT_ENV] = hashlib.sha256(database_url.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -396,13 +404,16 @@ class EngineHost:
 
 
 def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
-    """SIGKILL the vLLM processes (EngineCore and its Worker) carrying ``tag``.
+    """SIGKILL the vLLM processes (EngineCore and its Worker) carrying ``tag`` (and this process's
+    deployment, once ``mark_deployment`` ran).
 
     A SIGKILLed worker leaves its engine running (on a GPU, holding the card's
     memory); call this at boot, before start(), with the worker's stable id as
     the tag. Our own descendants are spared. Returns the pids killed.
     """
-    marker = f"{ENGINE_TAG_ENV}={tag}".encode()
+    markers = {f"{ENGINE_TAG_ENV}={tag}".encode()}
+    if DEPLOYMENT_ENV in os.environ:
+        markers.add(f"{DEPLOYMENT_ENV}={os.environ[DEPLOYMENT_ENV]}".encode())
     title = f"{envs.VLLM_PROCESS_NAME_PREFIX}::".encode()
     killed = []
     for proc in Path("/proc").iterdir():
@@ -412,7 +423,7 @@ def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
         try:
             if not (proc / "cmdline").read_bytes().startswith(title):
                 continue
-            if marker not in (proc / "environ").read_bytes().split(b"\0"):
+            if not markers <= set((proc / "environ").read_bytes().split(b"\0")):
                 continue
             if _descends_from_us(pid):
                 continue

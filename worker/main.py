@@ -21,7 +21,7 @@ from common.db import ensure_migrated, make_engine, session_factory
 from common.errors import LMSPError
 from common.registry import Registry, detect_machine, resolve_engine
 from common.settings import ConfigError, get_settings
-from worker import interactive, metrics, recovery, runner
+from worker import identity, interactive, metrics, recovery, runner
 from worker.context import WorkerContext
 from worker.writer import EventWriter
 
@@ -40,15 +40,18 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
         raise ConfigError(f"model {model_id}: {checkpoint} is not a checkpoint folder (no config.json); "
                           f"fix its checkpoint in {settings.models_path} or import it again with "
                           "`lmsp models import-gguf FILE --id ID`")
-    from worker.engine import EngineHost, kill_stale_engines  # vLLM: seconds to import, so after the checks
+    from worker.engine import EngineHost, kill_stale_engines, mark_deployment  # vLLM: seconds to import
     worker_id = settings.worker_id or f"{socket.gethostname()}:{model_id}" + (f":gpu{gpu}" if gpu is not None else "")
     # A paused worker must not hold rows inside a transaction forever (a takeover waits on them).
     connect = {"connect_args": {"options": "-c idle_in_transaction_session_timeout=5000"}} \
         if settings.db_url.startswith(("postgres", "postgresql")) else {}
     engine = make_engine(settings.db_url, **connect)
     ensure_migrated(engine)
+    sessions = session_factory(engine)
+    identity.ensure_sole(sessions, worker_id, settings.lease_seconds, settings.heartbeat_seconds)
     if gpu is not None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(gpu))
+    mark_deployment(str(engine.url))
     killed = kill_stale_engines(worker_id)
     if killed:
         log.warning("ended %d engine processes left by a previous run of %s", len(killed), worker_id)
@@ -60,7 +63,6 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
         host.start()
         return host
 
-    sessions = session_factory(engine)
     publisher = Publisher(settings.redis_url)
     ctx = WorkerContext(settings=settings, worker_id=worker_id, spec=spec, sessions=sessions,
                         celery=make_celery(settings), publisher=publisher, writer=None,
@@ -88,7 +90,7 @@ def serve(ctx: WorkerContext) -> None:
         ctx.stopping.set()
         ctx.engine.shutdown()
 
-    recovery.heartbeat(ctx)
+    recovery.heartbeat(ctx, boot=True)  # this process holds the id from now on (identity.ensure_sole)
     recovery.recover_own(ctx)
     recovery.start_background(ctx)
     interactive.start(ctx)

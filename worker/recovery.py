@@ -138,16 +138,26 @@ def enforce_retention(ctx: WorkerContext) -> None:
         session.commit()
 
 
-def heartbeat(ctx: WorkerContext, stopped: bool = False) -> None:
+def heartbeat(ctx: WorkerContext, stopped: bool = False, boot: bool = False) -> None:
     if not ctx.writer.alive and not stopped:
         return  # a worker that cannot log events must look dead, so its tasks are taken over
     try:
         with transaction(ctx.sessions) as session:
-            lifecycle.heartbeat(session, ctx.worker_id, ctx.spec.id, running=ctx.engine.running(),
-                                ready=ctx.ready(), stopped=stopped)
+            lifecycle.heartbeat(session, ctx.worker_id, ctx.spec.id, ctx.started_at, running=ctx.engine.running(),
+                                ready=ctx.ready(), stopped=stopped, boot=boot)
     except SQLAlchemyError:
         ctx.db_ok_since = None
         raise
+    except lifecycle.Replaced:
+        if stopped:
+            return  # ending anyway; the row is the other process's now
+        # Paused (or cut off) past its lease while another process booted with this id: its tasks were
+        # handed on and its writes are fenced already; heartbeating on would make two of one worker.
+        log.critical("another process took worker id %s over; this one exits (give each worker its own "
+                     "LMSP_WORKER_ID)", ctx.worker_id)
+        ctx.stopping.set()
+        ctx.engine.shutdown()
+        os._exit(72)
     if ctx.db_ok_since is None:
         ctx.db_ok_since = time.monotonic()
 

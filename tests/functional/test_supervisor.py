@@ -171,3 +171,18 @@ def test_real_worker_under_the_supervisor_has_its_gpu_and_id_and_stops_on_sigter
         assert not engine_pids(worker_id)
     finally:
         engine.dispose()
+
+
+def test_a_second_worker_with_a_live_workers_id_refuses_to_start(stack, model_id, alice):
+    """Two workers on one GPU, or a copied LMSP_WORKER_ID: the second would hand on the first's tasks
+    and end its engine at boot. It refuses to start instead, and the first serves on."""
+    from tests.harness import engine_pids, user
+
+    worker_id = f"test-{model_id}"  # the session's live worker (tests/conftest.py)
+    engines = engine_pids(worker_id)
+    assert engines
+    with pytest.raises(RuntimeError, match=f"another worker is running with id {worker_id}.*LMSP_WORKER_ID"):
+        stack.start_worker(model_id, worker_id, timeout=120)
+    assert engine_pids(worker_id) == engines
+    r = alice.post("/lmsp/v1/responses", {"model": model_id, "input": user("Hi"), "max_output_tokens": 4})
+    assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete")

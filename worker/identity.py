@@ -1,0 +1,37 @@
+"""One live process per worker id.
+
+A worker's id is what recovery goes by: at boot a worker hands on whatever its id ran and ends the
+engines its id left behind. A second process started with the id of a live worker (two workers on
+one GPU, a copied ``LMSP_WORKER_ID``) would do that to the live one, so it refuses to start. (A
+worker paused while another process took its id over exits when it wakes: ``recovery.heartbeat``.)
+"""
+
+import logging
+import time
+
+from common import lifecycle
+from common.settings import ConfigError
+
+log = logging.getLogger("lmsp.worker")
+
+
+def ensure_sole(sessions, worker_id: str, lease_seconds: float, heartbeat_seconds: float) -> None:
+    """Raise ConfigError if another process heartbeats as ``worker_id``. A fresh heartbeat alone
+    does not tell a live worker from one killed a moment ago (then restarted with its id, as a
+    supervisor does): watch it for two heartbeats."""
+    with sessions() as session:
+        seen = lifecycle.heartbeat_of(session, worker_id)
+    if seen is None or seen[1] > lease_seconds:
+        return  # never ran, stopped cleanly, or dead for a lease
+    window = 2 * heartbeat_seconds + 1
+    log.info("worker id %s heartbeated %.1f s ago; checking for %.0f s that no other process uses it",
+             worker_id, max(seen[1], 0.0), window)
+    deadline = time.monotonic() + window
+    while time.monotonic() < deadline:
+        time.sleep(min(0.5, heartbeat_seconds / 2))
+        with sessions() as session:
+            now = lifecycle.heartbeat_of(session, worker_id)
+        if now is not None and now[0] != seen[0]:
+            raise ConfigError(f"another worker is running with id {worker_id} (it heartbeated "
+                              f"{max(now[1], 0.0):.1f} s ago); give each worker its own LMSP_WORKER_ID "
+                              "(or --gpu), or stop the other one first")
