@@ -117,3 +117,26 @@ def test_a_direct_response_the_database_lost_ends(tmp_path):
             assert "send the request again" in resp.get_json()["detail"]
         finally:
             frozen.set()
+
+
+def test_a_sync_answer_of_503_carries_retry_after_also_when_replayed(tmp_path):
+    """9.3: model_unavailable is a 503 with Retry-After, also when it is the problem a generation
+    ended with (no worker took the request) and when an Idempotency-Key replays that outcome."""
+    import time as clock
+
+    from common.tables import Worker
+    from tests.unit.conftest import make_unit
+
+    unit = make_unit(tmp_path, lease_seconds=2, direct_requeue_after_seconds=0.2)
+    caller = unit.as_("erin")
+    with unit.sessions() as session:  # alive when the request comes in, then never again
+        now = clock.time()
+        session.merge(Worker(id="gone", model=MODEL, heartbeat_at=now, started_at=now, running=0))
+        session.commit()
+    key = {"Idempotency-Key": "retry-after-1"}
+    first = caller.post("/lmsp/v1/responses", request_body(), headers=key)
+    problem(first, 503, "model_unavailable")
+    assert int(first.headers["Retry-After"]) >= 1
+    again = caller.post("/lmsp/v1/responses", request_body(), headers=key)
+    problem(again, 503, "model_unavailable")
+    assert again.get_data() == first.get_data() and int(again.headers["Retry-After"]) >= 1
