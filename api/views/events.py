@@ -91,7 +91,7 @@ def sse(task_id: str):
         finally:
             batches.close()
 
-    return streamed(Response(stream_with_context(body()), mimetype="text/event-stream",
+    return streamed(Response(stream_with_context(body()), content_type=events.SSE_TYPE,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
 
 

@@ -49,7 +49,7 @@ def create():
     events_ = _events(svc, response_id, subscription, DirectWatch(svc, response_id, prepared.spec))
     if prepared.request.stream:
         return streamed(Response(stream_with_context(_stream(svc, response_id, key, events_)),
-                                 mimetype="text/event-stream",
+                                 content_type=events.SSE_TYPE,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
     return _wait(svc, response_id, key, events_)
 
