@@ -140,3 +140,19 @@ def test_a_sync_answer_of_503_carries_retry_after_also_when_replayed(tmp_path):
     again = caller.post("/lmsp/v1/responses", request_body(), headers=key)
     problem(again, 503, "model_unavailable")
     assert again.get_data() == first.get_data() and int(again.headers["Retry-After"]) >= 1
+
+
+def test_a_tasks_response_is_retrievable_only_when_stored(alice):
+    """6.1/6.2: GET /responses/{id} (and previous_response_id) has what was stored with store: true on a
+    model with capability conversations; a task's response is no exception (its task object has it)."""
+    from tests.unit.conftest import NARROW, task_body
+
+    plain = alice.post("/lmsp/v1/tasks", task_body()).get_json()
+    kept = alice.post("/lmsp/v1/tasks", task_body(store=True)).get_json()
+    ignored = alice.post("/lmsp/v1/tasks", task_body(NARROW, store=True)).get_json()  # no conversations
+    assert alice.get(f"/lmsp/v1/responses/{kept['response_id']}").get_json()["id"] == kept["response_id"]
+    for task in (plain, ignored):
+        problem(alice.get(f"/lmsp/v1/responses/{task['response_id']}"), 404, "response_not_found")
+    doc = problem(alice.post("/lmsp/v1/responses", request_body(previous_response_id=plain["response_id"])),
+                  404, "response_not_found")
+    assert doc["param"] == "previous_response_id"
