@@ -151,7 +151,8 @@ def new_task(session: Session, principal: str, prepared: Prepared, on_restart: s
     """Task, response and event #1 in the caller's transaction (7.1: persist before answering)."""
     if on_restart == "resume" and not prepared.spec.public_capabilities()["resume_snapshots"]:
         raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot resume from a "
-                        "snapshot; use on_restart fail or retry", param="on_restart")
+                        "snapshot; use on_restart fail or retry", param="on_restart",
+                        capability="resume_snapshots")
     return lifecycle.create_task(session, _response_row(prepared, principal, R.IN_PROGRESS, _stored(prepared)),
                                  on_restart)
 
