@@ -69,7 +69,9 @@ def test_a_direct_request_no_worker_takes_is_sent_again_then_fails(tmp_path, mon
     heartbeat()
     streamed = caller.post("/lmsp/v1/responses", request_body(stream=True)).get_data(as_text=True)
     received = parse_sse(streamed.split("\n"))
-    assert received[-1][1] == events.FAILED and received[-1][2]["error"]["code"] == "model_unavailable"
+    # 6.3/6.4: like any stream it starts with response.created at id 1, and ends with the final event.
+    assert [(seq, name) for seq, name, _ in received] == [(1, events.CREATED), (2, events.FAILED)]
+    assert received[-1][2]["error"]["code"] == "model_unavailable"
 
 
 def test_a_direct_request_whose_worker_stopped_heartbeating_ends(tmp_path):
