@@ -38,7 +38,7 @@ def error_response(exc: LMSPError) -> Response:
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
     if exc.code == "unauthorized":
-        headers["WWW-Authenticate"] = 'Bearer realm="lmsp"'
+        headers["WWW-Authenticate"] = "Bearer"  # as 10 writes it (RFC 7235 allows a bare scheme)
     return problem_response(exc.to_problem(instance=request.path), headers)
 
 
