@@ -63,7 +63,8 @@ def _events(svc, response_id, subscription, ended: DirectWatch):
 
 def _outcome(svc, response_id, final_name, final_data) -> tuple[int, str]:
     if final_name == events.FAILED:
-        doc = json.loads(final_data)["error"]
+        # The problem the response failed with, answered for this request (9.3: its instance is the path).
+        doc = {**json.loads(final_data)["error"], "instance": request.path}
         return doc.get("status", 500), json.dumps(doc)
     with svc.sessions() as session:
         return 200, json.dumps(response_json(session, response_id))

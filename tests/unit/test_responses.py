@@ -137,7 +137,7 @@ def test_a_sync_answer_of_503_carries_retry_after_also_when_replayed(tmp_path):
         session.commit()
     key = {"Idempotency-Key": "retry-after-1"}
     first = caller.post("/lmsp/v1/responses", request_body(), headers=key)
-    problem(first, 503, "model_unavailable")
+    assert problem(first, 503, "model_unavailable")["instance"] == "/lmsp/v1/responses"
     assert int(first.headers["Retry-After"]) >= 1
     again = caller.post("/lmsp/v1/responses", request_body(), headers=key)
     problem(again, 503, "model_unavailable")
