@@ -257,7 +257,8 @@ def _paths() -> dict:
                        "task_not_found: the task of a replayed Idempotency-Key no longer exists"),
                       *BODY_ERRORS, (422, "idempotency_key_reused"),
                       (429, "rate_limited", "Too many queued tasks for this principal"),
-                      (503, "overloaded", "The model's queue is full"))},
+                      (503, "overloaded", "model_unavailable", "overloaded: the model's queue is full; "
+                       "model_unavailable: the api cannot read the model's tokenizer"))},
             description="The key is recorded in the task's own transaction, so a task request is never "
                         "seen in flight (no 409).",
             params=["IdempotencyKey"], body="TaskRequest")},
