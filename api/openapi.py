@@ -209,9 +209,9 @@ def _paths() -> dict:
             "createResponse", "Generate a response, synchronously or as a stream", "responses",
             "responses:write",
             {"200": {"description": "With `stream: false`: the finished response object (status completed, "
-                                    "incomplete or cancelled). With `stream: true`: server-sent events (6.3); "
-                                    "the final event has no id when it was recovered from the database. "
-                                    "A direct stream cannot be resumed.",
+                                    "incomplete or cancelled; a failed generation answers its problem instead). With "
+                                    "`stream: true`: server-sent events (6.3), ids 1, 2, ... from "
+                                    "response.created to the one final event. A direct stream cannot be resumed.",
                      "headers": _headers(),
                      "content": {"application/json": {"schema": ref("Response")},
                                  SSE: _sse("Server-sent events: `id:`, `event:` and a JSON `data:` line "
@@ -226,7 +226,9 @@ def _paths() -> dict:
                        "for this principal or this server"),
                       (503, "model_unavailable", "No live worker serves the model"))},
             description="An Idempotency-Key replays the stored outcome (status and body) of a finished "
-                        "synchronous request.",
+                        "request: the response object, or the problem it failed with (a finished stream's "
+                        "replay is that outcome as JSON, not its events again). A request that ended without "
+                        "an outcome (its client went away) frees its key.",
             params=["IdempotencyKey"], body="ResponseRequest")},
         f"{API}/responses/{{response_id}}": {"get": operation(
             "getResponse", "A response stored with store: true", "responses", "responses:read",
@@ -255,7 +257,8 @@ def _paths() -> dict:
                        "task_not_found: the task of a replayed Idempotency-Key no longer exists"),
                       *BODY_ERRORS, (422, "idempotency_key_reused"),
                       (429, "rate_limited", "Too many queued tasks for this principal"),
-                      (503, "overloaded", "The model's queue is full"))},
+                      (503, "overloaded", "model_unavailable", "overloaded: the model's queue is full; "
+                       "model_unavailable: the api cannot read the model's tokenizer"))},
             description="The key is recorded in the task's own transaction, so a task request is never "
                         "seen in flight (no 409).",
             params=["IdempotencyKey"], body="TaskRequest")},

@@ -12,7 +12,7 @@ from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.routing import WebsocketMismatch
 from wsproto.utilities import RemoteProtocolError
 
-from common.errors import LMSPError, problem
+from common.errors import CODES, LMSPError, problem
 from common.wire import VERSION
 
 log = logging.getLogger("lmsp.api")
@@ -21,10 +21,15 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_la
                415: "unsupported_media_type", 400: "invalid_request"}
 
 
-def problem_response(doc: dict, headers: dict | None = None) -> Response:
-    resp = Response(json.dumps(doc), status=doc["status"], mimetype="application/problem+json")
+def problem_response(doc: dict, headers: dict | None = None, body: str | None = None) -> Response:
+    """``body``: ``doc`` as already serialized (a stored outcome, replayed byte for byte)."""
+    resp = Response(json.dumps(doc) if body is None else body, status=doc["status"],
+                    mimetype="application/problem+json")
     for key, value in (headers or {}).items():
         resp.headers[key] = value
+    code = CODES.get(doc.get("code"))
+    if code is not None and code.retry_after is not None and "Retry-After" not in resp.headers:
+        resp.headers["Retry-After"] = str(code.retry_after)  # also for a problem stored in a response
     return resp
 
 
@@ -33,7 +38,7 @@ def error_response(exc: LMSPError) -> Response:
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
     if exc.code == "unauthorized":
-        headers["WWW-Authenticate"] = 'Bearer realm="lmsp"'
+        headers["WWW-Authenticate"] = "Bearer"  # as 10 writes it (RFC 7235 allows a bare scheme)
     return problem_response(exc.to_problem(instance=request.path), headers)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 class Code:
     status: int
     title: str
+    retry_after: int | None = None  # seconds: 9.3 has every 429 and 503 answer carry Retry-After
 
 
 CODES: dict[str, Code] = {
@@ -27,10 +28,10 @@ CODES: dict[str, Code] = {
     "payload_too_large": Code(413, "Payload too large"),
     "unsupported_media_type": Code(415, "Unsupported media type"),
     "idempotency_key_reused": Code(422, "Idempotency key reused"),
-    "rate_limited": Code(429, "Rate limited"),
+    "rate_limited": Code(429, "Rate limited", 1),
     "server_error": Code(500, "Server error"),
-    "overloaded": Code(503, "Overloaded"),
-    "model_unavailable": Code(503, "Model unavailable"),
+    "overloaded": Code(503, "Overloaded", 5),
+    "model_unavailable": Code(503, "Model unavailable", 10),
     # Only inside failed tasks and responses; the status is what a sync request answers.
     "server_restarted": Code(500, "Server restarted"),
     "generation_failed": Code(500, "Generation failed"),

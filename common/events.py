@@ -17,6 +17,8 @@ ERROR = "error"
 ATTEMPT_STARTED = "response.attempt.started"
 
 FINAL = frozenset({COMPLETED, INCOMPLETE, FAILED, CANCELLED})
+# Exactly the type 6.3 names: Flask would append "; charset=utf-8" to a text/* mimetype (SSE is UTF-8 anyway).
+SSE_TYPE = "text/event-stream"
 
 
 def dumps(data: dict) -> str:

@@ -64,6 +64,7 @@ class Problem(BaseModel):
                                                "responses and tasks")
     param: Absent = Field(None, description="The offending field or parameter")
     scope: Absent = Field(None, description="The missing scope (insufficient_scope)")
+    capability: Absent = Field(None, description="The capability the model lacks (unsupported_capability)")
 
 
 class Capabilities(registry.Capabilities, Shape):

@@ -22,10 +22,11 @@ class Prepared:
     max_tokens: int
 
 
-def _capability(spec: ModelSpec, name: str, what: str) -> None:
+def _capability(spec: ModelSpec, name: str, what: str, param: str) -> None:
+    """``param`` names the request field that needs capability ``name`` (a member of its own)."""
     if not spec.public_capabilities()[name]:
         raise LMSPError("unsupported_capability", f"Model {spec.id} does not support {what} "
-                        f"(capability {name})", param=name)
+                        f"(capability {name})", param=param, capability=name)
 
 
 def prepare(session: Session, svc, principal: str, body) -> Prepared:
@@ -33,9 +34,9 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
     req = parse(ResponseRequest, body)
     spec = svc.registry.get(req.model)
     if req.stream:
-        _capability(spec, "streaming", "stream: true")
+        _capability(spec, "streaming", "stream: true", "stream")
     if req.tools and (req.tool_choice or "auto") != "none":
-        _capability(spec, "tools", "tools")
+        _capability(spec, "tools", "tools", "tools")
     if req.tool_choice is not None and not isinstance(req.tool_choice, str):
         if req.tool_choice.name not in {t.name for t in req.tools or []}:
             raise LMSPError("invalid_request", f"tool_choice names {req.tool_choice.name!r}, "
@@ -43,14 +44,14 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
     if req.tool_choice == "required" and not req.tools:
         raise LMSPError("invalid_request", "tool_choice is required but tools is empty", param="tool_choice")
     if req.json_schema is not None:
-        _capability(spec, "structured_output", "response_format json_schema")
+        _capability(spec, "structured_output", "response_format json_schema", "response_format")
     for i, tool in enumerate(req.tools or []):  # the grammar's size limits, cheap: before the rest
         check_budget(tool.parameters, f"tools[{i}].parameters", svc.settings)
     constraint = _constraint(req)
     if constraint is not None:
         check_budget(*constraint, svc.settings)
     if req.previous_response_id:
-        _capability(spec, "conversations", "previous_response_id")
+        _capability(spec, "conversations", "previous_response_id", "previous_response_id")
         req = _continue(session, principal, req)
     if req.max_output_tokens and req.max_output_tokens > spec.max_output_tokens:
         raise LMSPError("invalid_request", f"max_output_tokens {req.max_output_tokens} is above the "

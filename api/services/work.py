@@ -37,12 +37,18 @@ def ensure_available(svc: Services, session: Session, model_id: str) -> None:
                         "or submit a task, which waits in the queue", retry_after=10)
 
 
+def _stored(prepared: Prepared) -> bool:
+    """Whether GET /responses/{id} and previous_response_id may use the response: it asked with
+    store, and its model has capability conversations (6.1: else store is ignored). A task's
+    response is in its task object whatever this says."""
+    return prepared.request.store and prepared.spec.public_capabilities()["conversations"]
+
+
 def create_direct(svc: Services, principal: str, prepared: Prepared, before_commit=None,
                   before_dispatch=None) -> str:
     """``before_commit(response_id)`` and ``before_dispatch(response_id)`` run around the commit: the
     caller subscribes to the response's events there, so it misses none of them."""
-    stored = prepared.request.store and prepared.spec.public_capabilities()["conversations"]  # else ignored (6.1)
-    row = _response_row(prepared, principal, R.QUEUED, stored)
+    row = _response_row(prepared, principal, R.QUEUED, _stored(prepared))
     if before_commit is not None:
         before_commit(row.id)
     with svc.sessions() as session:
@@ -91,7 +97,10 @@ class DirectWatch:
         else:
             name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                                       incomplete_details=row.incomplete_details)
-        return [(name, dumps(data))]  # numbered by the follower after the last event it sent
+        closing = [(name, dumps(data))]  # numbered by the follower after the last event it sent
+        if row is not None and row.worker_id is None:  # no worker took it, so none sent response.created:
+            closing.insert(0, (events.CREATED, dumps(events.created(row.id))))  # a stream starts with it
+        return closing
 
     def _unstick(self, session: Session, row: Response) -> bool:
         """True when it failed the response now."""
@@ -145,8 +154,10 @@ def new_task(session: Session, principal: str, prepared: Prepared, on_restart: s
     """Task, response and event #1 in the caller's transaction (7.1: persist before answering)."""
     if on_restart == "resume" and not prepared.spec.public_capabilities()["resume_snapshots"]:
         raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot resume from a "
-                        "snapshot; use on_restart fail or retry", param="on_restart")
-    return lifecycle.create_task(session, _response_row(prepared, principal, R.IN_PROGRESS, True), on_restart)
+                        "snapshot; use on_restart fail or retry", param="on_restart",
+                        capability="resume_snapshots")
+    return lifecycle.create_task(session, _response_row(prepared, principal, R.IN_PROGRESS, _stored(prepared)),
+                                 on_restart)
 
 
 def send_task(svc: Services, task: Task) -> None:

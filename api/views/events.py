@@ -46,7 +46,8 @@ def _open(task_id: str) -> tuple[str, str, int]:
     spec = svc.registry.models.get(task.model)
     if spec is not None and not spec.public_capabilities()["event_resume"]:
         raise LMSPError("unsupported_capability", f"Model {task.model} does not offer event streams "
-                        f"(capability event_resume); GET /lmsp/v1/tasks/{task_id} has the result")
+                        f"(capability event_resume); GET /lmsp/v1/tasks/{task_id} has the result",
+                        capability="event_resume")
     if expired:
         raise LMSPError("event_history_expired", f"The events of task {task_id} are past their retention; "
                         f"GET /lmsp/v1/tasks/{task_id} has the final result")
@@ -91,7 +92,7 @@ def sse(task_id: str):
         finally:
             batches.close()
 
-    return streamed(Response(stream_with_context(body()), mimetype="text/event-stream",
+    return streamed(Response(stream_with_context(body()), content_type=events.SSE_TYPE,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
 
 

@@ -6,6 +6,7 @@ from api.auth import hold_stream, principal, require, streamed
 from api.body import json_body
 from api.extensions import services
 from api.live import follow, stream_error
+from api.problems import problem_response
 from api.services import idempotency
 from api.services.validation import prepare
 from api.services.work import DirectWatch, abort_direct, create_direct, response_json, stored_response
@@ -27,8 +28,7 @@ def create():
     if key is not None:
         done = svc.claims.begin(key)
         if done is not None:
-            return Response(done.body, status=done.status_code,
-                            mimetype="application/json" if done.status_code < 400 else "application/problem+json")
+            return _answer(done.status_code, done.body)
     subscription = None
 
     def subscribe(response_id: str) -> None:
@@ -49,7 +49,7 @@ def create():
     events_ = _events(svc, response_id, subscription, DirectWatch(svc, response_id, prepared.spec))
     if prepared.request.stream:
         return streamed(Response(stream_with_context(_stream(svc, response_id, key, events_)),
-                                 mimetype="text/event-stream",
+                                 content_type=events.SSE_TYPE,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
     return _wait(svc, response_id, key, events_)
 
@@ -63,10 +63,18 @@ def _events(svc, response_id, subscription, ended: DirectWatch):
 
 def _outcome(svc, response_id, final_name, final_data) -> tuple[int, str]:
     if final_name == events.FAILED:
-        doc = json.loads(final_data)["error"]
+        # The problem the response failed with, answered for this request (9.3: its instance is the path).
+        doc = {**json.loads(final_data)["error"], "instance": request.path}
         return doc.get("status", 500), json.dumps(doc)
     with svc.sessions() as session:
         return 200, json.dumps(response_json(session, response_id))
+
+
+def _answer(status: int, body: str) -> Response:
+    """A synchronous outcome (6.2): the response object, or the problem of a failed generation."""
+    if status < 400:
+        return Response(body, status=status, mimetype="application/json")
+    return problem_response({**json.loads(body), "status": status}, body=body)
 
 
 def _wait(svc, response_id, key, events_):
@@ -78,8 +86,7 @@ def _wait(svc, response_id, key, events_):
                 if key is not None:
                     svc.claims.finish(key, status, body)
                 finished = True
-                mimetype = "application/json" if status < 400 else "application/problem+json"
-                return Response(body, status=status, mimetype=mimetype)
+                return _answer(status, body)
     finally:
         events_.close()
         if not finished:  # the client went away, or the server failed

@@ -197,7 +197,7 @@ def test_param_names_the_missing_member(model, data, param):
 def test_streaming_capability_is_enforced(client, svc):
     before = rows(svc)
     problem(client.post("/lmsp/v1/responses", json={**body(stream=True), "model": PLAIN}), 400,
-            "unsupported_capability", "streaming")
+            "unsupported_capability", "stream")
     assert rows(svc) == before
 
 
@@ -205,7 +205,8 @@ def test_event_resume_capability_is_enforced(client, svc, monkeypatch, tmp_path)
     monkeypatch.chdir(tmp_path)  # kombu's filesystem transport writes its control files in the cwd
     task = client.post("/lmsp/v1/tasks", json={"type": "response", "input": {**body(), "model": PLAIN}}).get_json()
     assert "events_url" not in task
-    problem(client.get(f"/lmsp/v1/tasks/{task['id']}/events"), 400, "unsupported_capability")
+    assert problem(client.get(f"/lmsp/v1/tasks/{task['id']}/events"), 400,
+                   "unsupported_capability")["capability"] == "event_resume"
     resumable = client.post("/lmsp/v1/tasks", json={"type": "response", "input": body()}).get_json()
     assert resumable["events_url"] == f"/lmsp/v1/tasks/{resumable['id']}/events"
     for t in (task, resumable):

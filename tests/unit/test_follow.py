@@ -128,3 +128,17 @@ def test_sse_endpoint_replays_then_follows_then_closes(unit, alice):
     assert [seq for seq, _, _ in parse_sse(resp.get_data(as_text=True).split("\n"))] == [5, 6]
     resp = alice.get(f"/lmsp/v1/tasks/{task.id}/events", headers={"Last-Event-ID": "5"})
     assert [seq for seq, _, _ in parse_sse(resp.get_data(as_text=True).split("\n"))] == [6]
+
+
+def test_event_streams_are_exactly_text_event_stream(unit, alice):
+    """6.3: `Content-Type: text/event-stream`, with no parameter a strict client would trip on."""
+    from tests.unit.conftest import MODEL, request_body
+    from tests.unit.fake import FakeWorker
+
+    task = alice.task("succeeded")
+    alice.log(task, _script(task.response_id))
+    assert alice.get(f"/lmsp/v1/tasks/{task.id}/events").headers["Content-Type"] == "text/event-stream"
+    with FakeWorker(unit.sessions, MODEL):
+        direct = alice.post("/lmsp/v1/responses", request_body(MODEL, stream=True))
+        assert direct.headers["Content-Type"] == "text/event-stream"
+        direct.get_data()

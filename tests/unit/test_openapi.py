@@ -174,3 +174,16 @@ def test_schemas_reject_wrong_answers(doc):
                                               "workers": 1})
     assert not schema(doc, "OutputMessage").is_valid({**OUTPUT[0], "role": "user"})
     assert not schema(doc, "Completed").is_valid({"response_id": "r", "status": "completed"})
+
+
+def test_every_code_a_task_creation_answers_is_documented(doc, alice, monkeypatch):
+    """A problem's code is in its operation's documented answers, not just its status."""
+    from api.services import validation
+
+    def unreadable(path):
+        raise OSError(f"no tokenizer at {path}")
+
+    monkeypatch.setattr(validation, "load_tokenizer", unreadable)
+    body = check(doc, alice, "POST", "/lmsp/v1/tasks", "/lmsp/v1/tasks", 503, json=task_body())
+    assert body["code"] == "model_unavailable"
+    assert "`model_unavailable`" in doc["paths"]["/lmsp/v1/tasks"]["post"]["responses"]["503"]["description"]

@@ -69,7 +69,9 @@ def test_a_direct_request_no_worker_takes_is_sent_again_then_fails(tmp_path, mon
     heartbeat()
     streamed = caller.post("/lmsp/v1/responses", request_body(stream=True)).get_data(as_text=True)
     received = parse_sse(streamed.split("\n"))
-    assert received[-1][1] == events.FAILED and received[-1][2]["error"]["code"] == "model_unavailable"
+    # 6.3/6.4: like any stream it starts with response.created at id 1, and ends with the final event.
+    assert [(seq, name) for seq, name, _ in received] == [(1, events.CREATED), (2, events.FAILED)]
+    assert received[-1][2]["error"]["code"] == "model_unavailable"
 
 
 def test_a_direct_request_whose_worker_stopped_heartbeating_ends(tmp_path):
@@ -117,3 +119,42 @@ def test_a_direct_response_the_database_lost_ends(tmp_path):
             assert "send the request again" in resp.get_json()["detail"]
         finally:
             frozen.set()
+
+
+def test_a_sync_answer_of_503_carries_retry_after_also_when_replayed(tmp_path):
+    """9.3: model_unavailable is a 503 with Retry-After, also when it is the problem a generation
+    ended with (no worker took the request) and when an Idempotency-Key replays that outcome."""
+    import time as clock
+
+    from common.tables import Worker
+    from tests.unit.conftest import make_unit
+
+    unit = make_unit(tmp_path, lease_seconds=2, direct_requeue_after_seconds=0.2)
+    caller = unit.as_("erin")
+    with unit.sessions() as session:  # alive when the request comes in, then never again
+        now = clock.time()
+        session.merge(Worker(id="gone", model=MODEL, heartbeat_at=now, started_at=now, running=0))
+        session.commit()
+    key = {"Idempotency-Key": "retry-after-1"}
+    first = caller.post("/lmsp/v1/responses", request_body(), headers=key)
+    assert problem(first, 503, "model_unavailable")["instance"] == "/lmsp/v1/responses"
+    assert int(first.headers["Retry-After"]) >= 1
+    again = caller.post("/lmsp/v1/responses", request_body(), headers=key)
+    problem(again, 503, "model_unavailable")
+    assert again.get_data() == first.get_data() and int(again.headers["Retry-After"]) >= 1
+
+
+def test_a_tasks_response_is_retrievable_only_when_stored(alice):
+    """6.1/6.2: GET /responses/{id} (and previous_response_id) has what was stored with store: true on a
+    model with capability conversations; a task's response is no exception (its task object has it)."""
+    from tests.unit.conftest import NARROW, task_body
+
+    plain = alice.post("/lmsp/v1/tasks", task_body()).get_json()
+    kept = alice.post("/lmsp/v1/tasks", task_body(store=True)).get_json()
+    ignored = alice.post("/lmsp/v1/tasks", task_body(NARROW, store=True)).get_json()  # no conversations
+    assert alice.get(f"/lmsp/v1/responses/{kept['response_id']}").get_json()["id"] == kept["response_id"]
+    for task in (plain, ignored):
+        problem(alice.get(f"/lmsp/v1/responses/{task['response_id']}"), 404, "response_not_found")
+    doc = problem(alice.post("/lmsp/v1/responses", request_body(previous_response_id=plain["response_id"])),
+                  404, "response_not_found")
+    assert doc["param"] == "previous_response_id"

@@ -85,18 +85,19 @@ def test_missing_task_input(alice):
     assert problem(alice.post("/lmsp/v1/tasks", {"type": "response"}), 400, "invalid_request")["param"] == "input"
 
 
-@pytest.mark.parametrize("fields,param", [
-    ({"tools": [TOOL]}, "tools"),
-    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-    ({"response_format": SCHEMA_FORMAT}, "structured_output"),
-    ({"previous_response_id": "resp_x"}, "conversations"),
+@pytest.mark.parametrize("fields,param,capability", [
+    ({"tools": [TOOL]}, "tools", "tools"),
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tools", "tools"),
+    ({"response_format": SCHEMA_FORMAT}, "response_format", "structured_output"),
+    ({"previous_response_id": "resp_x"}, "previous_response_id", "conversations"),
 ])
-def test_unsupported_capability(unit, alice, fields, param):
+def test_unsupported_capability(unit, alice, fields, param, capability):
+    """param names the offending field (9.3), as for invalid_request; capability names what it needs."""
     before = _written(unit)
     doc = problem(alice.post("/lmsp/v1/responses", request_body(NARROW, **fields)), 400, "unsupported_capability")
-    assert doc["param"] == param
-    assert problem(alice.post("/lmsp/v1/tasks", task_body(NARROW, **fields)), 400,
-                   "unsupported_capability")["param"] == f"input.{param}"
+    assert (doc["param"], doc["capability"]) == (param, capability)
+    doc = problem(alice.post("/lmsp/v1/tasks", task_body(NARROW, **fields)), 400, "unsupported_capability")
+    assert (doc["param"], doc["capability"]) == (f"input.{param}", capability)
     assert _written(unit) == before
 
 
@@ -108,7 +109,7 @@ def test_resume_needs_resume_snapshots(unit, alice):
     before = _written(unit)
     doc = problem(alice.post("/lmsp/v1/tasks", {**task_body(NARROW), "on_restart": "resume"}), 400,
                   "unsupported_capability")
-    assert doc["param"] == "on_restart"
+    assert (doc["param"], doc["capability"]) == ("on_restart", "resume_snapshots")
     assert _written(unit) == before
 
 
