@@ -35,6 +35,7 @@ from common.states import (
     respond,
     respond_returning,
     transition,
+    transition_returning,
 )
 from common.tables import Response, Task, Worker
 
@@ -129,15 +130,19 @@ def claim(session: Session, task_id: str, worker_id: str) -> tuple[Claim | None,
     """Take a task whose message arrived: a queued one (queued -> loading), or one handed on mid-run
     (loading/running/cancelling with no owner). A new attempt number fences every earlier owner. A
     duplicate delivery, or a task someone else holds, claims nothing."""
-    fresh = transition(session, task_id, LOADING, only_from=[QUEUED], worker_id=worker_id,
-                       attempt=Task.attempt + 1)
+    # Lazily committed: a claim the database loses in a crash leaves the task queued for the sweeper,
+    # and this attempt fenced out of every write; the next ordinary commit makes it durable anyway.
+    commit_lazily(session)
+    task = transition_returning(session, task_id, LOADING, only_from=[QUEUED], worker_id=worker_id,
+                                attempt=Task.attempt + 1)
+    fresh = task is not None
     if not fresh:
-        won = session.execute(update(Task).where(
+        task = session.execute(update(Task).where(
             Task.id == task_id, Task.status.in_(LIVE), Task.worker_id.is_(None)).values(
-            worker_id=worker_id, attempt=Task.attempt + 1)).rowcount == 1
-        if not won:
+            worker_id=worker_id, attempt=Task.attempt + 1).returning(Task).execution_options(
+            populate_existing=True)).scalar_one_or_none()
+        if task is None:
             return None, {}
-    task = session.get(Task, task_id, populate_existing=True)
     if task.status == CANCELLING:  # cancelled while nobody ran it: finish the cancellation now
         transition(session, task_id, CANCELLED, only_from=[CANCELLING])
         return None, _task_final(session, task, R.CANCELLED)
@@ -160,6 +165,7 @@ def _current(session: Session, attempt: Attempt) -> Task | None:
 def start(session: Session, attempt: Attempt) -> bool:
     """loading -> running at the first token. False when a cancel got there first; Fenced when the
     task is no longer this attempt's."""
+    commit_lazily(session)  # the events that follow are committed durably, and this with them
     if transition(session, attempt.task_id, RUNNING, only_from=[LOADING], where=attempt.task_where()):
         return True
     task = _current(session, attempt)

@@ -68,6 +68,30 @@ def sources(target: str, table=TRANSITIONS) -> list:
     return [s for s, targets in table.items() if target in targets]
 
 
+def _move(model, row_id: str, target: str, table, only_from, where, values):
+    """The conditional UPDATE that moves one row of ``model`` to ``target``, or None if no state may."""
+    allowed_from = sources(target, table)
+    if only_from is not None:
+        allowed_from = [s for s in allowed_from if s in set(only_from)]
+    if not allowed_from:
+        return None
+    now = time.time()
+    stmt = (update(model).where(model.id == row_id, model.status.in_(allowed_from), *where)
+            .values(status=target, updated_at=now, **values))
+    if table is TRANSITIONS and target in TERMINAL:
+        stmt = stmt.values(ended_at=now)
+    return stmt
+
+
+def _won(session: Session, stmt) -> bool:
+    return stmt is not None and session.execute(stmt).rowcount == 1
+
+
+def _row(session: Session, model, stmt):
+    return None if stmt is None else session.execute(
+        stmt.returning(model).execution_options(populate_existing=True)).scalar_one_or_none()
+
+
 def transition(session: Session, task_id: str, target: str, *, only_from=None, where=(), **values) -> bool:
     """Move a task to ``target`` with one conditional UPDATE; True if this call won.
 
@@ -77,41 +101,26 @@ def transition(session: Session, task_id: str, target: str, *, only_from=None, w
     """
     from common.tables import Task  # the table module imports nothing from here
 
-    allowed_from = sources(target)
-    if only_from is not None:
-        allowed_from = [s for s in allowed_from if s in set(only_from)]
-    if not allowed_from:
-        return False
-    now = time.time()
-    stmt = (update(Task).where(Task.id == task_id, Task.status.in_(allowed_from), *where)
-            .values(status=target, updated_at=now, **values))
-    if target in TERMINAL:
-        stmt = stmt.values(ended_at=now)
-    return session.execute(stmt).rowcount == 1
+    return _won(session, _move(Task, task_id, target, TRANSITIONS, only_from, where, values))
 
 
-def _respond(response_id: str, target: str, only_from, where, values):
-    from common.tables import Response  # the table module imports nothing from here
+def transition_returning(session: Session, task_id: str, target: str, *, only_from=None, **values):
+    """``transition`` that returns the updated task (None if this call did not win), in one round trip."""
+    from common.tables import Task
 
-    allowed_from = sources(target, RESPONSE_TRANSITIONS)
-    if only_from is not None:
-        allowed_from = [s for s in allowed_from if s in set(only_from)]
-    if not allowed_from:
-        return None
-    return (update(Response).where(Response.id == response_id, Response.status.in_(allowed_from), *where)
-            .values(status=target, updated_at=time.time(), **values))
+    return _row(session, Task, _move(Task, task_id, target, TRANSITIONS, only_from, (), values))
 
 
 def respond(session: Session, response_id: str, target: str, *, only_from=None, where=(), **values) -> bool:
     """The same for a response row."""
-    stmt = _respond(response_id, target, only_from, where, values)
-    return stmt is not None and session.execute(stmt).rowcount == 1
+    from common.tables import Response
+
+    return _won(session, _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, where, values))
 
 
 def respond_returning(session: Session, response_id: str, target: str, *, only_from=None, **values):
     """``respond`` that returns the updated row (None if this call did not win), in one round trip."""
     from common.tables import Response
 
-    stmt = _respond(response_id, target, only_from, (), values)
-    return None if stmt is None else session.execute(
-        stmt.returning(Response).execution_options(populate_existing=True)).scalar_one_or_none()
+    return _row(session, Response, _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, (),
+                                         values))
