@@ -151,7 +151,7 @@ def test_importing_a_file_that_is_not_gguf_is_one_line(env, capsys, tmp_path):
 class _Child:
     """A child process of `lmsp dev`: the api runs, the worker exits at once with status 3."""
 
-    def __init__(self, argv):
+    def __init__(self, argv, **_):
         self.returncode = 3 if "worker" in argv else None
 
     def poll(self):
