@@ -47,11 +47,25 @@ def _start_dev(stack: Stack, log_name: str) -> tuple[subprocess.Popen, Client]:
                             stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{stack.env['LMSP_PORT']}"
     token_file = stack.tmp / "home" / "dev-token"
-    wait_for(lambda: token_file.exists() and _ready(base, token_file.read_text().strip()), 600,
-             "lmsp dev did not serve the model")
-    # It says so itself, in one line with all a newcomer needs (what `make run` prints).
-    wait_for(lambda: "ready on" in log.read_text(errors="replace"), 30, "no ready line")
+    try:
+        # It says so itself, in one line with all a newcomer needs (what `make run` prints).
+        wait_for(lambda: "ready on" in log.read_text(errors="replace") or proc.poll() is not None, 600,
+                 "no ready line")
+        assert proc.poll() is None and _ready(base, token_file.read_text().strip()), log.read_text()[-3000:]
+    except BaseException:
+        _stop_group(proc)
+        raise
     return proc, Client(base, token_file.read_text().strip())
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to a `lmsp dev` and whatever of its group is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    if proc.poll() is None:
+        proc.wait(120)
 
 
 def _ready(base, token):
@@ -118,13 +132,26 @@ def test_a_killed_dev_leaves_nothing_running_and_a_restarted_one_says_ready_only
     stack = _dev_stack(tmp_path, model)
     stack.env.update(LMSP_PORT=str(free_port()), LMSP_LEASE_SECONDS="30")
     tag = f"{socket.gethostname()}:{model}"
+    runs = []
+    try:
+        _crash_and_restart(stack, model, runs)
+    finally:
+        for proc in runs:
+            _stop_group(proc)
+    wait_for(lambda: engine_pids(tag) == [], 10, "engine left behind after lmsp dev stopped")
+
+
+def _crash_and_restart(stack: Stack, model: str, runs: list) -> None:
+    tag = f"{socket.gethostname()}:{model}"
     first, client = _start_dev(stack, "dev-1.log")
+    runs.append(first)
     failing, retried = (_running_task(client, model, policy) for policy in ("fail", "retry"))
     # SIGKILL to `lmsp dev` alone: its api and worker must not serve on as orphans (the port and the
     # worker id would refuse the next `lmsp dev`); the worker hands its tasks on as it goes.
     first.kill()
     wait_for(lambda: not _serving(client.base) and engine_pids(tag) == [], 90, "lmsp dev's children outlived it")
     second, client = _start_dev(stack, "dev-2.log")
+    runs.append(second)
     got = client.get(f"/lmsp/v1/tasks/{failing['id']}").json()
     assert got["status"] == "failed" and got["error"]["code"] == "server_restarted"
     wait_for(lambda: client.get(f"/lmsp/v1/tasks/{retried['id']}").json()["status"] == "running", 120, "retry")
@@ -133,16 +160,12 @@ def test_a_killed_dev_leaves_nothing_running_and_a_restarted_one_says_ready_only
     os.killpg(second.pid, signal.SIGKILL)
     second.wait(10)
     third, client = _start_dev(stack, "dev-3.log")
-    try:
-        started = time.monotonic()
-        answer = client.post("/lmsp/v1/responses", {"model": model, "input": user("Hi."), "max_output_tokens": 1})
-        assert answer.status_code == 200 and time.monotonic() - started < 15
-        events = client.sse(retried["events_url"])
-        assert [e[0] for e in events] == list(range(1, len(events) + 1))
-        assert [e[1] for e in events if e[1] in FINAL] == [events[-1][1]]
-        assert events[-1][1] in ("response.completed", "response.incomplete")
-        assert [e[2]["attempt"] for e in events if e[1] == "response.attempt.started"][-1] >= 3
-    finally:
-        third.send_signal(signal.SIGTERM)
-        third.wait(120)
-    wait_for(lambda: engine_pids(tag) == [], 10, "engine left behind after lmsp dev stopped")
+    runs.append(third)
+    started = time.monotonic()
+    answer = client.post("/lmsp/v1/responses", {"model": model, "input": user("Hi."), "max_output_tokens": 1})
+    assert answer.status_code == 200 and time.monotonic() - started < 15
+    events = client.sse(retried["events_url"])
+    assert [e[0] for e in events] == list(range(1, len(events) + 1))
+    assert [e[1] for e in events if e[1] in FINAL] == [events[-1][1]]
+    assert events[-1][1] in ("response.completed", "response.incomplete")
+    assert [e[2]["attempt"] for e in events if e[1] == "response.attempt.started"][-1] >= 3
