@@ -18,7 +18,7 @@ from common.wire import VERSION
 log = logging.getLogger("lmsp.api")
 _SPOKEN = re.compile(r"1(\.[0-9]+)?")  # any 1.x: minor versions only add
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
-               415: "unsupported_media_type", 400: "invalid_request"}
+               415: "unsupported_media_type", 400: "invalid_request", 500: "server_error"}
 
 
 def problem_response(doc: dict, headers: dict | None = None, body: str | None = None) -> Response:
@@ -42,10 +42,17 @@ def error_response(exc: LMSPError) -> Response:
     return problem_response(exc.to_problem(instance=request.path), headers)
 
 
+def status_problem(status: int, name: str, detail: str, instance: str | None = None) -> dict:
+    """A problem document for an HTTP status: its LMSP code where it has one, else RFC 9457's about:blank."""
+    if status in _HTTP_CODES:
+        return problem(_HTTP_CODES[status], detail, instance=instance)
+    doc = {"type": "about:blank", "title": name, "status": status, "code": name.lower().replace(" ", "_"),
+           "detail": detail}
+    return doc if instance is None else {**doc, "instance": instance}
+
+
 def _unnamed(status: int, name: str, detail: str) -> Response:
-    """A problem document for an HTTP status that has no LMSP error code (RFC 9457's about:blank)."""
-    return problem_response({"type": "about:blank", "title": name, "status": status,
-                             "code": name.lower().replace(" ", "_"), "detail": detail, "instance": request.path})
+    return problem_response(status_problem(status, name, detail, instance=request.path))
 
 
 def init_app(app: Flask) -> None:

@@ -36,7 +36,7 @@ def _reachable(url):
     """Turn "no such database server" and "not a database URL" into one line for the operator."""
     try:
         yield
-    except (ArgumentError, NoSuchModuleError) as exc:
+    except (ArgumentError, NoSuchModuleError, ImportError) as exc:  # ImportError: a dialect whose driver we lack
         raise ConfigError(f"LMSP_DATABASE_URL {shown_url(url)!r} is not a database URL ({exc}); use e.g. "
                           "postgresql://user:password@host/db or sqlite:///path/to/lmsp.db") from None
     except (OperationalError, InterfaceError, OSError) as exc:  # OSError: a SQLite folder we cannot make

@@ -394,11 +394,13 @@ def heartbeat_of(session: Session, worker_id: str) -> tuple[float, float] | None
     return None if row is None else (row[0], row[1])
 
 
-def live_workers(session: Session, lease_seconds: float) -> dict[str, int]:
-    """Workers per model that can take work now (fresh heartbeat by the database's clock, engine ready)."""
+def live_workers(session: Session, lease_seconds: float, started_since: float | None = None) -> dict[str, int]:
+    """Workers per model that can take work now (fresh heartbeat by the database's clock, engine ready);
+    ``started_since``: only processes that took their id at or after this time."""
+    since = () if started_since is None else (Worker.started_at >= started_since,)
     rows = session.execute(select(Worker.model, func.count()).where(
-        Worker.heartbeat_at > db_now() - lease_seconds, Worker.stopped_at.is_(None), Worker.ready.is_(True))
-        .group_by(Worker.model))
+        Worker.heartbeat_at > db_now() - lease_seconds, Worker.stopped_at.is_(None), Worker.ready.is_(True),
+        *since).group_by(Worker.model))
     return dict(rows.all())
 
 

@@ -247,13 +247,22 @@ def _command_name() -> str:
     return "lmsp" if on_path and Path(on_path).resolve() == me.resolve() else str(me)
 
 
-def _ready(url: str, token: str) -> bool:
-    """Every registered model has a live worker (GET /lmsp/v1/models says ready)."""
+def _ready(url: str, token: str, since: float) -> bool:
+    """The api answers and every registered model has a live worker started by this run: right after a
+    crash the killed run's workers still look live (GET /lmsp/v1/models says ready) for a lease."""
+    from common.lifecycle import live_workers
     try:
         with lc.Client(url, token, timeout=5, max_retries=0) as http:
-            return all(m["status"] == "ready" for m in http.models())
+            names = [m["id"] for m in http.models()]
     except lc.ClientError:
         return False
+    with _sessions()() as session:
+        ours = live_workers(session, get_settings().lease_seconds, started_since=since)
+    return all(ours.get(name) for name in names)
+
+
+DEV_DRAIN_SECONDS = 5.0       # what running generations get when `lmsp dev` stops (LMSP_DRAIN_SECONDS overrides)
+ENGINE_SHUTDOWN_SECONDS = 30  # after its drain, a worker hands its tasks on and ends its engine (~6 s on CPU)
 
 
 @cli.command()
@@ -270,10 +279,16 @@ def dev(port: int | None) -> None:
     token_file = settings.home / "dev-token"
     _dev_token(token_file)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children on SIGTERM too, not only Ctrl-C
-    children = {f"the worker of {m}": subprocess.Popen([sys.executable, "-m", "lmsp", "worker", "--model", m])
-                for m in names}
+    # Stopping `make run` should take seconds, not a rolling update's drain; the workers' drain must end
+    # before the wait below does, or a killed worker would leave its engine running.
+    drain = settings.drain_seconds if "LMSP_DRAIN_SECONDS" in os.environ else DEV_DRAIN_SECONDS
+    env = {**os.environ, "LMSP_DRAIN_SECONDS": str(drain)}
+    from worker.supervisor import die_with_parent  # a SIGKILLed `lmsp dev` must not leave them serving
+    since = time.time()
+    children = {f"the worker of {m}": subprocess.Popen([sys.executable, "-m", "lmsp", "worker", "--model", m],
+                                                       env=env, preexec_fn=die_with_parent) for m in names}
     from api.serve import gunicorn_argv
-    children["the api"] = subprocess.Popen(gunicorn_argv(settings))
+    children["the api"] = subprocess.Popen(gunicorn_argv(settings), preexec_fn=die_with_parent)
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     url = f"http://{host}:{settings.port}"
     say(f"starting on {url}: the api, and {len(names)} worker(s) loading {', '.join(names)} "
@@ -282,7 +297,7 @@ def dev(port: int | None) -> None:
     ready = False
     try:
         while all(c.poll() is None for c in children.values()):
-            if not ready and _ready(url, token):
+            if not ready and _ready(url, token, since):
                 ready = True
                 flag = "" if settings.port == 8080 and host == "127.0.0.1" else f" --url {url}"
                 say(f"ready on {url} (dashboard: {url}/) · token in {token_file} · "
@@ -297,7 +312,7 @@ def dev(port: int | None) -> None:
                 c.send_signal(signal.SIGTERM)
         for c in children.values():
             try:
-                c.wait(timeout=30)
+                c.wait(timeout=drain + ENGINE_SHUTDOWN_SECONDS)
             except subprocess.TimeoutExpired:
                 c.kill()
     # Not stopped by Ctrl-C: a child ended by itself, so this run failed (a supervisor should know).

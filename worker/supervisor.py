@@ -55,8 +55,9 @@ def visible_gpus() -> list[int]:
     return gpus
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if the supervisor is SIGKILLed, its workers get SIGTERM.
+def die_with_parent() -> None:
+    """A ``preexec_fn``: if the parent (this supervisor, `lmsp dev`) is SIGKILLed, the child gets SIGTERM
+    (a worker drains and ends its engine) instead of running on as an orphan."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
@@ -94,7 +95,7 @@ class Supervisor:
 
     def _start(self, child: Child) -> None:
         # A group of its own: Ctrl-C reaches the supervisor only, which passes SIGTERM on once.
-        child.proc = subprocess.Popen(self.argv, env=child.env, process_group=0, preexec_fn=_die_with_parent)
+        child.proc = subprocess.Popen(self.argv, env=child.env, process_group=0, preexec_fn=die_with_parent)
         child.started = time.monotonic()
         log.info("started %s (pid %d) on GPU %d", child.worker_id, child.proc.pid, child.gpu)
 

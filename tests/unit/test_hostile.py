@@ -214,3 +214,56 @@ def test_werkzeugs_own_refusals_are_problem_documents_too(unit, path, headers, s
     assert resp.status_code == status and resp.mimetype == "application/problem+json", resp.get_data()[:80]
     doc = resp.get_json()
     assert doc["status"] == status and doc["title"] and doc["detail"] and resp.headers["LMSP-Version"] == "1.0"
+
+
+def test_gunicorns_own_refusals_are_problem_documents_too(tmp_path):
+    """What gunicorn refuses before the app sees it (a request line or headers too large, a request that
+    is not HTTP) is answered as the app would: a problem document with LMSP-Version."""
+    import os
+    import subprocess
+
+    from api.serve import gunicorn_argv
+    from common.db import upgrade
+    from tests.harness import ROOT, free_port
+    from tests.unit.conftest import unit_settings
+
+    settings = unit_settings(tmp_path, port=free_port(), api_workers=1, api_threads=4)
+    upgrade(settings.db_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSP_")}
+    env.update(LMSP_HOME=str(tmp_path), LMSP_MODELS_FILE=str(settings.models_file),
+               LMSP_DATABASE_URL=settings.db_url)
+    api = subprocess.Popen(gunicorn_argv(settings), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+
+    def ask(raw: bytes) -> tuple[int, dict, dict]:
+        with socket.create_connection(("127.0.0.1", settings.port), timeout=10) as conn:
+            conn.sendall(raw)
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        return int(lines[0].split()[1]), headers, json.loads(body)
+
+    def up() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", settings.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, 60, "the api did not start")
+        for raw, status in [(b"GET /lmsp/v1/tasks/" + b"x" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n", 414),
+                            (b"GET /healthz HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer " + b"x" * 9000 + b"\r\n\r\n",
+                             431),
+                            (b"\x16\x03\x01 not http\r\n\r\n", 400)]:
+            got, headers, doc = ask(raw)
+            assert got == status == doc["status"], (got, doc)
+            assert headers["Content-Type"] == "application/problem+json" and headers["LMSP-Version"] == "1.0"
+            assert doc["title"] and doc["detail"] and doc["code"]
+        assert doc["code"] == "invalid_request" and doc["type"] == "/lmsp/v1/errors#invalid_request"
+    finally:
+        api.terminate()
+        api.wait(30)

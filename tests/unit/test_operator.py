@@ -73,6 +73,7 @@ def test_out_of_range_settings_are_named_together(env, capsys):
     ("postgresql://lmsp:hunter2@127.0.0.1:1/lmsp", ("cannot reach the database", "LMSP_DATABASE_URL")),
     ("not a url", ("is not a database URL", "postgresql://")),
     ("nosuchdb://host/x", ("is not a database URL",)),
+    ("mysql://lmsp:hunter2@127.0.0.1/lmsp", ("is not a database URL", "MySQLdb", "postgresql://")),  # no driver
 ])
 @pytest.mark.parametrize("args", [("tokens", "list"), ("migrate",), ("serve",)])
 def test_a_database_that_cannot_be_reached_is_one_line(env, capsys, url, words, args):
@@ -151,7 +152,7 @@ def test_importing_a_file_that_is_not_gguf_is_one_line(env, capsys, tmp_path):
 class _Child:
     """A child process of `lmsp dev`: the api runs, the worker exits at once with status 3."""
 
-    def __init__(self, argv):
+    def __init__(self, argv, **_):
         self.returncode = 3 if "worker" in argv else None
 
     def poll(self):
