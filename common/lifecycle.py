@@ -10,14 +10,15 @@ Postgres) can no longer write (invariant 4).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, tuple_, update
+from sqlalchemy import JSON, bindparam, exists, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from common import eventlog, events
-from common.db import commit_lazily, db_now
+from common.db import Compiled, commit_lazily, db_now, run_batch
 from common.errors import LMSPError, problem
 from common.events import dumps
 from common.ids import is_id, new_id
@@ -37,7 +38,8 @@ from common.states import (
     transition,
     transition_returning,
 )
-from common.tables import Response, Task, Worker
+from common.tables import Base, QueueCount, Response, Task, Worker
+from common.tables import Event as EventRow
 
 Event = tuple[int, str, str]
 Publish = dict[str, list[Event]]   # response id -> events to publish after the commit
@@ -75,15 +77,97 @@ def new_response(*, principal: str, model: str, request: dict, input_tokens: int
                     previous_response_id=previous_response_id, created_at=now, updated_at=now)
 
 
-def create_task(session: Session, response: Response, on_restart: str) -> Task:
-    """Task, response and event #1 in the caller's transaction (7.1: persist before answering)."""
+@dataclass(frozen=True)
+class Room:
+    """Queue limits a new task must fit in: fewer than ``mine`` queued tasks of its principal and
+    fewer than ``total`` of its model, not counting itself."""
+    mine: int
+    total: int
+
+
+def _queued(kind: str, name=None):
+    """The queued tasks of a principal or a model (``name``; the parameter ``<kind>_queue`` if None)."""
+    count = select(QueueCount.queued).where(QueueCount.kind == kind, QueueCount.name == (
+        bindparam(f"{kind}_queue") if name is None else name)).scalar_subquery()
+    return func.coalesce(count, 0)
+
+
+def _typed(columns) -> list:
+    return [bindparam(c.key, type_=c.type) for c in columns]
+
+
+_STEPS: dict[tuple, Compiled] = {}
+
+
+def _row_step(row: Base, *, after: str | None = None, room: bool = False, **sql) -> tuple[Compiled, dict]:
+    """An INSERT of ``row``'s set columns (and the SQL expressions ``sql``), compiled once per shape:
+    the ORM's unit of work costs more than the database does on this path. ``after``: only if the
+    response of that id exists (it was inserted in this transaction, so the room check let it in);
+    ``room``: only while the queues have room (parameters principal_queue, model_queue, max_mine, max_total)."""
+    table = row.__table__
+    values = {c.key: getattr(row, c.key) for c in table.columns if getattr(row, c.key) is not None}
+    key = (table.name, tuple(values), tuple(sql), after is not None, room)
+    step = _STEPS.get(key)
+    if step is None:
+        columns = [table.c[name] for name in values]
+        source = select(*_typed(columns), *sql.values())
+        if after is not None:
+            source = source.where(exists().where(Response.id == bindparam("created_response")))
+        if room:
+            source = source.where(_queued("principal") < bindparam("max_mine"),
+                                  _queued("model") < bindparam("max_total"))
+        step = _STEPS[key] = Compiled(insert(table).from_select([*columns, *(table.c[n] for n in sql)], source))
+    for c in table.columns:
+        if c.key in values and isinstance(c.type, JSON):
+            values[c.key] = json.dumps(values[c.key])  # the driver's own cursor takes JSON as text
+    if after is not None:
+        values["created_response"] = after
+    return step, values
+
+
+# Transaction-scoped advisory locks (a principal's and a model's, always in one order: no deadlock) held
+# to the commit, so concurrent creations cannot all see room under a limit and overshoot it.
+_LOCK = Compiled(select(func.pg_advisory_xact_lock(func.hashtext(bindparam("first"))),
+                        func.pg_advisory_xact_lock(func.hashtext(bindparam("second")))))
+
+
+def new_task(response: Response, on_restart: str) -> Task:
+    """The task that will produce ``response`` (not written yet: ``create_task``)."""
     now = response.created_at
-    task = Task(id=new_id("task"), principal_id=response.principal_id, response_id=response.id,
-                type="response", model=response.model, status=QUEUED, on_restart=on_restart, attempt=0,
-                created_at=now, updated_at=now, dispatched_at=db_now(), dispatches=1, events_expired=False)
-    session.add_all([response, task])  # the unit of work inserts the response first (foreign key)
-    eventlog.append(session, response.id, [(1, events.CREATED, dumps(events.created(response.id)))])
-    return task
+    return Task(id=new_id("task"), principal_id=response.principal_id, response_id=response.id, type="response",
+                model=response.model, status=QUEUED, on_restart=on_restart, attempt=0, created_at=now,
+                updated_at=now, dispatches=1, events_expired=False)
+
+
+def create_task(session: Session, response: Response, task: Task, room: Room | None = None, *,
+                also: tuple[Base, ...] = (), commit: bool = False) -> bool:
+    """Task, response and event #1 in the caller's transaction (7.1: persist before answering); on
+    Postgres in one round trip. The rows are not attached to the session.
+
+    With ``room``, the task is created only while its queues have room, counted under locks held
+    until the commit (two concurrent creations cannot both take the last place); False when they
+    have none, and nothing is written. ``also``: rows (not added to the session) written exactly when
+    the task is. ``commit``: commit the transaction too, on Postgres in the same round trip, so no
+    round trip of ours falls inside the locks."""
+    first = EventRow(response_id=response.id, seq=1, name=events.CREATED, data=dumps(events.created(response.id)),
+                  created_at=time.time())
+    steps = []
+    if room is not None and session.get_bind().dialect.name == "postgresql":
+        lock_order = sorted((f"principal:{task.principal_id}", f"model:{task.model}"))
+        steps.append((_LOCK, {"first": lock_order[0], "second": lock_order[1]}))
+    head, values = _row_step(response, room=room is not None)
+    if room is not None:
+        values.update(principal_queue=response.principal_id, model_queue=response.model, max_mine=room.mine,
+                      max_total=room.total)
+    at = len(steps)
+    steps += [(head, values), _row_step(task, after=response.id, dispatched_at=db_now()),
+              _row_step(first, after=response.id), *(_row_step(row, after=response.id) for row in also)]
+    return run_batch(session, steps, commit=commit)[at] == 1
+
+
+def queued(session: Session, principal: str, model: str) -> tuple[int, int]:
+    """Queued tasks of ``principal`` and of ``model``: what a ``Room`` limits."""
+    return tuple(session.execute(select(_queued("principal", principal), _queued("model", model))).one())
 
 
 def create_direct(session: Session, response: Response) -> Response:

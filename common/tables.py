@@ -74,6 +74,15 @@ class Task(Base):
     )
 
 
+class QueueCount(Base):
+    """Queued tasks per principal and per model, kept by triggers on ``tasks`` (migration 0003) in the
+    transaction that changes them: a queue limit reads one row instead of counting its queue."""
+    __tablename__ = "queue_counts"
+    kind: Mapped[str] = mapped_column(String(10), primary_key=True)   # "principal" or "model"
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)  # its id
+    queued: Mapped[int] = mapped_column(Integer)
+
+
 class Event(Base):
     __tablename__ = "events"
     response_id: Mapped[str] = mapped_column(String(40), primary_key=True)

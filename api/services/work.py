@@ -7,7 +7,7 @@ events are written by ``common.lifecycle`` only.
 
 import time
 
-from sqlalchemy import func, or_, select, text
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
@@ -18,7 +18,7 @@ from common.errors import LMSPError, problem
 from common.events import dumps
 from common.ids import is_id
 from common.resources import response_object, task_object
-from common.states import FAILED, QUEUED, SUCCEEDED, R
+from common.states import FAILED, SUCCEEDED, R
 from common.tables import Response, Task
 
 
@@ -128,36 +128,31 @@ class DirectWatch:
         return False
 
 
-def check_task_limits(svc: Services, session: Session, principal: str, prepared: Prepared) -> None:
-    """Called with the new task flushed (uncommitted) in ``session``: it counts itself."""
-    # Count and commit under transaction-scoped advisory locks (the principal's and the model's,
-    # always in one order: no deadlock), so concurrent POSTs cannot all see room and overshoot.
-    if session.get_bind().dialect.name == "postgresql":
-        for name in sorted((f"principal:{principal}", f"model:{prepared.spec.id}")):
-            session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
-    # One round trip for both limits: this runs on every POST /tasks.
-    mine, total = session.execute(
-        select(func.count().filter(Task.principal_id == principal), func.count().filter(Task.model == prepared.spec.id))
-        .where(Task.status == QUEUED, or_(Task.model == prepared.spec.id, Task.principal_id == principal))).one()
-    mine, total = mine - 1, total - 1  # the others'
-    if mine >= svc.settings.max_queued_tasks_per_principal:
-        raise LMSPError("rate_limited", f"You have {mine} queued tasks, the limit is "
-                        f"{svc.settings.max_queued_tasks_per_principal}; wait for some to finish",
-                        retry_after=5)
-    depth = min(prepared.spec.queue_depth, svc.settings.max_queue_depth)
-    if total >= depth:
-        raise LMSPError("overloaded", f"The queue of {prepared.spec.id} is full ({total} tasks); retry later",
-                        retry_after=10)
-
-
-def new_task(session: Session, principal: str, prepared: Prepared, on_restart: str) -> Task:
-    """Task, response and event #1 in the caller's transaction (7.1: persist before answering)."""
+def new_task(svc: Services, session: Session, principal: str, prepared: Prepared, on_restart: str,
+             also=lambda task: ()) -> Task:
+    """Task, response and event #1 (and the rows ``also(task)``), committed (7.1: persist before
+    answering) within the queue limits: 429 past the principal's, 503 past the model's."""
     if on_restart == "resume" and not prepared.spec.public_capabilities()["resume_snapshots"]:
         raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot resume from a "
                         "snapshot; use on_restart fail or retry", param="on_restart",
                         capability="resume_snapshots")
-    return lifecycle.create_task(session, _response_row(prepared, principal, R.IN_PROGRESS, _stored(prepared)),
-                                 on_restart)
+    settings, model = svc.settings, prepared.spec.id
+    room = lifecycle.Room(settings.max_queued_tasks_per_principal, min(prepared.spec.queue_depth,
+                                                                       settings.max_queue_depth))
+    response = _response_row(prepared, principal, R.IN_PROGRESS, _stored(prepared))
+    task = lifecycle.new_task(response, on_restart)
+    for _ in range(3):  # a queue that drained between a refusal and the count below has room again
+        if lifecycle.create_task(session, response, task, room, also=tuple(also(task)), commit=True):
+            return task
+        mine, total = lifecycle.queued(session, principal, model)
+        session.rollback()
+        if mine >= room.mine:
+            raise LMSPError("rate_limited", f"You have {mine} queued tasks, the limit is {room.mine}; wait for "
+                            "some to finish", retry_after=5)
+        if total >= room.total:
+            raise LMSPError("overloaded", f"The queue of {model} is full ({total} tasks); retry later",
+                            retry_after=10)
+    raise LMSPError("overloaded", f"The queue of {model} is full; retry later", retry_after=10)
 
 
 def send_task(svc: Services, task: Task) -> None:

@@ -14,7 +14,6 @@ from api.services import idempotency, tickets
 from api.services.validation import prepare
 from api.services.work import (
     cancel_task,
-    check_task_limits,
     get_task,
     new_task,
     send_task,
@@ -60,16 +59,10 @@ def create():
         except LMSPError as exc:
             exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
             raise
-        task = new_task(session, who, prepared, envelope.on_restart)
-        if key is not None:
-            # Same transaction as the task: a task exists exactly when its key is recorded.
-            session.add(idempotency.record_for_insert(key, status_code=202, task_id=task.id))
         try:
-            # Inserted before the limits' locks are taken: every POST /tasks of a model waits for
-            # them, so they are held for the count and the commit only.
-            session.flush()
-            check_task_limits(svc, session, who, prepared)
-            session.commit()
+            # Same transaction as the task: a task exists exactly when its key is recorded.
+            task = new_task(svc, session, who, prepared, envelope.on_restart, lambda task: () if key is None else (
+                idempotency.record_for_insert(key, status_code=202, task_id=task.id),))
         except IntegrityError:
             session.rollback()  # a concurrent request with the same key won the race
             record = idempotency.existing(session, key) if key is not None else None

@@ -2,15 +2,17 @@
 database's clock, cancellation of handed-on work, and broker re-sends spaced per task."""
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import delete, func, select, update
 
 from common import eventlog, events, lifecycle
 from common.db import db_now, make_engine, session_factory, transaction, upgrade
 from common.lifecycle import Fenced
 from common.states import R
-from common.tables import Response, Task, Worker
+from common.tables import Event, IdempotencyRecord, Response, Task, Worker
 from tests import factories
 
 
@@ -26,13 +28,17 @@ def sessions(request, tmp_path_factory):
     engine.dispose()
 
 
+def new_rows(principal="p", model="m", on_restart="fail"):
+    response = lifecycle.new_response(principal=principal, model=model, request={"input": []}, input_tokens=3,
+                                      max_tokens=10, status=R.IN_PROGRESS, stored=True, previous_response_id=None)
+    return response, lifecycle.new_task(response, on_restart)
+
+
 def new_task(sessions, on_restart="fail", model="m"):
     with transaction(sessions) as session:
         factories.principal(session, "p")
-        response = lifecycle.new_response(principal="p", model=model, request={"input": []}, input_tokens=3,
-                                          max_tokens=10, status=R.IN_PROGRESS, stored=True,
-                                          previous_response_id=None)
-        task = lifecycle.create_task(session, response, on_restart)
+        response, task = new_rows(model=model, on_restart=on_restart)
+        assert lifecycle.create_task(session, response, task)
     return task.id, response.id
 
 
@@ -179,3 +185,72 @@ def test_a_task_whose_engine_died_before_its_first_token_runs_again_whatever_its
         lifecycle.start(session, attempt)  # it generated: now its policy applies
         send, _ = lifecycle.hand_on(session, task_id, error={}, attempt=attempt.number, unstarted_again=True)
     assert not send and status(sessions, task_id)[0] == "failed"
+
+
+def test_concurrent_creations_never_overshoot_a_queue_limit(sessions):
+    """Eight at once for three places (the principal's) and then for the model's last two: each place
+    is taken once, however the creations interleave (spec 10: exact queue-depth limits)."""
+    with transaction(sessions) as session:
+        for name in ("crowd", "crowd2"):
+            factories.principal(session, name)
+
+    def race(principal, room):
+        go = threading.Barrier(8)
+
+        def create(_):
+            response, task = new_rows(principal, model="m-crowd")
+            with sessions() as session:
+                go.wait()
+                return lifecycle.create_task(session, response, task, room, commit=True)
+
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(create, range(8))).count(True)
+
+    assert race("crowd", lifecycle.Room(mine=3, total=100)) == 3
+    assert race("crowd2", lifecycle.Room(mine=100, total=5)) == 2
+    with sessions() as session:
+        assert lifecycle.queued(session, "crowd", "m-crowd") == (3, 5)
+        tasks = session.execute(select(Task.response_id).where(Task.model == "m-crowd")).scalars().all()
+        firsts = session.execute(select(Event.response_id).where(Event.response_id.in_(tasks), Event.seq == 1))
+        assert len(set(firsts.scalars())) == len(tasks) == 5  # every task has its response.created, no other
+
+
+def test_a_refused_task_writes_nothing(sessions):
+    with transaction(sessions) as session:
+        factories.principal(session, "full")
+    response, task = new_rows("full", model="m-full")
+    record = IdempotencyRecord(principal_id="full", method="POST", path="/x", key="k", request_hash="h",
+                               status_code=202, task_id=task.id, created_at=0)
+    with sessions() as session:
+        assert not lifecycle.create_task(session, response, task, lifecycle.Room(mine=0, total=10), also=(record,),
+                                         commit=True)
+        for table in (Task, Response, IdempotencyRecord):
+            assert session.execute(select(func.count()).select_from(table).where(
+                table.principal_id == "full")).scalar() == 0
+        assert session.execute(select(func.count()).where(Event.response_id == response.id)).scalar() == 0
+        assert lifecycle.create_task(session, response, task, lifecycle.Room(mine=1, total=10), also=(record,),
+                                     commit=True)
+        assert session.get(IdempotencyRecord, ("full", "POST", "/x", "k")).task_id == task.id
+
+
+def test_queue_counts_follow_every_change_of_a_queued_task(sessions):
+    """The counts the queue limits read (kept by triggers on tasks) stay the queued tasks through
+    creations, a claim, a cancel, a deletion and a write that bypasses lifecycle."""
+    with transaction(sessions) as session:
+        factories.principal(session, "qc")
+    ids = []
+    for _ in range(4):
+        with transaction(sessions) as session:
+            response, task = new_rows("qc", model="m-qc")
+            assert lifecycle.create_task(session, response, task)
+            ids.append(task.id)
+    with transaction(sessions) as session:
+        factories.task(session, "queued", owner="qc", model="m-other")
+    assert claim(sessions, ids[0], "w-qc") is not None
+    with transaction(sessions) as session:
+        lifecycle.cancel(session, session.get(Task, ids[1]))
+        session.execute(delete(Task).where(Task.id == ids[2]))
+    with sessions() as session:
+        assert lifecycle.queued(session, "qc", "m-qc") == (2, 1)
+        assert lifecycle.queued(session, "qc", "m-other") == (2, 1)
+        assert lifecycle.queued(session, "nobody", "m-none") == (0, 0)
