@@ -149,8 +149,8 @@ def create_task(session: Session, response: Response, task: Task, room: Room | N
     have none, and nothing is written. ``also``: rows (not added to the session) written exactly when
     the task is. ``commit``: commit the transaction too, on Postgres in the same round trip, so no
     round trip of ours falls inside the locks."""
-    first = EventRow(response_id=response.id, seq=1, name=events.CREATED, data=dumps(events.created(response.id)),
-                  created_at=time.time())
+    first = EventRow(response_id=response.id, seq=1, name=events.CREATED,
+                     data=dumps(events.created(response.id)), created_at=time.time())
     steps = []
     if room is not None and session.get_bind().dialect.name == "postgresql":
         lock_order = sorted((f"principal:{task.principal_id}", f"model:{task.model}"))

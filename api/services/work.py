@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
+from api.services import idempotency
 from api.services.validation import Prepared
 from common import events, interactive_wire, lifecycle
 from common.broker import BACKGROUND, dispatch
@@ -129,9 +130,9 @@ class DirectWatch:
 
 
 def new_task(svc: Services, session: Session, principal: str, prepared: Prepared, on_restart: str,
-             also=lambda task: ()) -> Task:
-    """Task, response and event #1 (and the rows ``also(task)``), committed (7.1: persist before
-    answering) within the queue limits: 429 past the principal's, 503 past the model's."""
+             key: idempotency.Key | None) -> Task:
+    """Task, response and event #1, committed (7.1: persist before answering) within the queue
+    limits: 429 past the principal's, 503 past the model's."""
     if on_restart == "resume" and not prepared.spec.public_capabilities()["resume_snapshots"]:
         raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot resume from a "
                         "snapshot; use on_restart fail or retry", param="on_restart",
@@ -141,11 +142,12 @@ def new_task(svc: Services, session: Session, principal: str, prepared: Prepared
                                                                        settings.max_queue_depth))
     response = _response_row(prepared, principal, R.IN_PROGRESS, _stored(prepared))
     task = lifecycle.new_task(response, on_restart)
+    # The key in the task's transaction: a task exists exactly when its key is recorded.
+    record = () if key is None else (idempotency.record_for_insert(key, status_code=202, task_id=task.id),)
     for _ in range(3):  # a queue that drained between a refusal and the count below has room again
-        if lifecycle.create_task(session, response, task, room, also=tuple(also(task)), commit=True):
+        if lifecycle.create_task(session, response, task, room, also=record, commit=True):
             return task
         mine, total = lifecycle.queued(session, principal, model)
-        session.rollback()
         if mine >= room.mine:
             raise LMSPError("rate_limited", f"You have {mine} queued tasks, the limit is {room.mine}; wait for "
                             "some to finish", retry_after=5)

@@ -60,9 +60,7 @@ def create():
             exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
             raise
         try:
-            # Same transaction as the task: a task exists exactly when its key is recorded.
-            task = new_task(svc, session, who, prepared, envelope.on_restart, lambda task: () if key is None else (
-                idempotency.record_for_insert(key, status_code=202, task_id=task.id),))
+            task = new_task(svc, session, who, prepared, envelope.on_restart, key)
         except IntegrityError:
             session.rollback()  # a concurrent request with the same key won the race
             record = idempotency.existing(session, key) if key is not None else None
