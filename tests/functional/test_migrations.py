@@ -25,7 +25,9 @@ from tests.harness import create_database, drop_database
 
 # sha256 of each released revision file. A landed revision is history: change the schema in a new one,
 # and add its hash here once it has landed on main.
-LANDED = {"0001": "b71065550b8a5086bf38abd627c8fd6ccfb01e922fefa2366d2cc2035b420fbf"}
+LANDED = {"0001": "b71065550b8a5086bf38abd627c8fd6ccfb01e922fefa2366d2cc2035b420fbf",
+          "0002": "8895ddb517a59ffe9122125453c3e839492fa468360ec90a0eeeb6da6f5f48a3",
+          "0003": "84530b2d36bed01d5d44baafbde0ff75b50149cfde3c83e7326cf1520c1b6481"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
