@@ -226,8 +226,9 @@ def _paths() -> dict:
                        "for this principal or this server"),
                       (503, "model_unavailable", "No live worker serves the model"))},
             description="An Idempotency-Key replays the stored outcome (status and body) of a finished "
-                        "request: the response object, or the problem it failed with (a finished stream's "
-                        "replay is that outcome as JSON, not its events again). A request that ended without "
+                        "request: the response object, or the problem it failed with; a finished stream's "
+                        "replay is a stream again, its items each in one delta, ending with the same final "
+                        "event. A request that ended without "
                         "an outcome (its client went away) frees its key.",
             params=["IdempotencyKey"], body="ResponseRequest")},
         f"{API}/responses/{{response_id}}": {"get": operation(

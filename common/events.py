@@ -63,3 +63,23 @@ def sse(seq: int | None, name: str, data_json: str) -> str:
 
 def ws_frame(seq: int, name: str, data_json: str) -> str:
     return f'{{"id":{seq},"event":{json.dumps(name)},"data":{data_json}}}'
+
+
+def of_response(obj: dict) -> list[tuple[str, dict]]:
+    """The events a finished response object (6.2) implies, each item's text in one delta: what a
+    replayed Idempotency-Key of a stream sends again (9.2: the original outcome, as it was asked for)."""
+    rid = obj["id"]
+    out = [(CREATED, created(rid))]
+    for index, item in enumerate(obj.get("output") or []):
+        parts = {"message": ("content", TEXT_DELTA), "reasoning": ("summary", REASONING_DELTA)}.get(item["type"])
+        if parts is None:  # a function call arrives complete in its done event (6.5)
+            out.append((ITEM_ADDED, item_added(rid, index, {**item, "arguments": ""})))
+        else:
+            field, delta = parts
+            out.append((ITEM_ADDED, item_added(rid, index, {**item, field: []})))
+            if text := "".join(part.get("text", "") for part in item.get(field) or []):
+                out.append((delta, text_delta(rid, index, item["id"], text)))
+        out.append((ITEM_DONE, item_done(rid, index, item)))
+    out.append(final(rid, obj["status"], usage=obj.get("usage"), error=obj.get("error"),
+                     incomplete_details=obj.get("incomplete_details")))
+    return out

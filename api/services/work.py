@@ -202,5 +202,6 @@ def stored_response(session: Session, principal: str, response_id: str) -> dict:
     return response_object(row)
 
 
-def response_json(session: Session, response_id: str) -> dict:
-    return response_object(session.get(Response, response_id))
+def response_json(session: Session, response_id: str) -> dict | None:
+    row = session.get(Response, response_id)
+    return None if row is None else response_object(row)

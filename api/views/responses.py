@@ -28,7 +28,7 @@ def create():
     if key is not None:
         done = svc.claims.begin(key)
         if done is not None:
-            return _answer(done.status_code, done.body)
+            return _replay(done.status_code, done.body, prepared.request.stream)
     subscription = None
 
     def subscribe(response_id: str) -> None:
@@ -77,6 +77,22 @@ def _answer(status: int, body: str) -> Response:
     return problem_response({**json.loads(body), "status": status}, body=body)
 
 
+def _replay(status: int, body: str, stream: bool) -> Response:
+    """A finished request's outcome again (9.2); a stream's is kept as its response object."""
+    if not stream or status != 200:
+        return _answer(status, body)
+    frames = [events.sse(seq, name, events.dumps(data))
+              for seq, (name, data) in enumerate(events.of_response(json.loads(body)), 1)]
+    return Response("".join(frames), content_type=events.SSE_TYPE, headers={"Cache-Control": "no-cache"})
+
+
+def _kept(svc, response_id) -> str | None:
+    """What a replay of a stream's Idempotency-Key sends again: its response object, failed ones too."""
+    with svc.sessions() as session:
+        obj = response_json(session, response_id)
+    return None if obj is None else json.dumps(obj)
+
+
 def _wait(svc, response_id, key, events_):
     finished = False
     try:
@@ -107,9 +123,13 @@ def _stream(svc, response_id, key, events_):
             last, name, data = event
             yield events.sse(last, name, data)
             if name in events.FINAL:
-                if key is not None:
-                    svc.claims.finish(key, *_outcome(svc, response_id, name, data))
                 finished = True
+                if key is not None:
+                    kept = _kept(svc, response_id)
+                    if kept is None:  # lost by a database crash: nothing to replay
+                        svc.claims.abandon(key)
+                    else:
+                        svc.claims.finish(key, 200, kept)
                 return
     except Exception:  # noqa: BLE001 - the stream must end with an event, never half a line
         yield stream_error(last + 1)  # a direct stream is never resumed: the id just goes on

@@ -95,3 +95,26 @@ def test_response_replay_and_in_flight(unit, alice):
     problem(alice.post("/lmsp/v1/responses", request_body(temperature=0.1), headers=key), 422,
             "idempotency_key_reused")
     assert _responses(unit, alice.principal) == 1
+
+
+def test_a_streams_replay_is_the_same_outcome_as_a_stream(unit, alice):
+    """9.2: same key, same body -> the original outcome again, as it was asked for: an event stream
+    with the same items and the same final event; nothing runs twice."""
+    from common import events
+    from tests.harness import parse_sse
+
+    key = {"Idempotency-Key": "stream-1"}
+    with FakeWorker(unit.sessions, MODEL, text="Hello there"):
+        first = alice.post("/lmsp/v1/responses", request_body(stream=True), headers=key)
+        original = parse_sse(first.get_data(as_text=True).split("\n"))
+    replay = alice.post("/lmsp/v1/responses", request_body(stream=True), headers=key)  # no worker now
+    assert replay.status_code == 200 and replay.mimetype == events.SSE_TYPE
+    again = parse_sse(replay.get_data(as_text=True).split("\n"))
+    assert [seq for seq, _, _ in again] == list(range(1, len(again) + 1))
+    assert again[0] == original[0] and again[-1][1:] == original[-1][1:] == (
+        events.COMPLETED, original[-1][2])
+    done = lambda received: [d["item"] for _, n, d in received if n == events.ITEM_DONE]  # noqa: E731
+    assert done(again) == done(original)
+    text = lambda received: "".join(d["delta"] for _, n, d in received if n == events.TEXT_DELTA)  # noqa: E731
+    assert text(again) == text(original) == "Hello there"
+    assert _responses(unit, alice.principal) == 1
