@@ -12,6 +12,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from operator import itemgetter
 
 import redis
 
@@ -185,7 +186,7 @@ class Hub:
                     sub.queue.put(batch)
 
 
-PAGE = 20000  # events per log read, written to the client in one piece (small pages cost 2x on replays)
+PAGE = 5000  # events per log read (~1 MB), written to the client in one piece; 20,000 cost 10% more CPU (bigger allocations)
 SAFETY_NET_SECONDS = 5.0   # a quiet task follower re-reads the log (then asks ``ended``) this often
 DIRECT_CHECK_SECONDS = 1.0  # a quiet direct stream asks whether its worker died this often
 
@@ -218,12 +219,12 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
         """Events after ``last`` from the log, and whether the final one is among them."""
         with hub.sessions() as session:
             page = eventlog.read(session, response_id, state["last"], limit=PAGE)
-        final = next((i for i, event in enumerate(page) if event[1] in FINAL), None)
-        if final is not None:
-            page = page[:final + 1]
+        final = not FINAL.isdisjoint(map(itemgetter(1), page))  # at C speed: a replay's pages are long
+        if final:
+            page = page[:next(i for i, event in enumerate(page) if event[1] in FINAL) + 1]
         if page:
             state["last"] = page[-1][0]
-        return page, final is not None
+        return page, final
 
     try:
         need_log = logged  # a direct stream's log is empty unless Redis failed: do not read it for nothing

@@ -61,6 +61,11 @@ def sse(seq: int | None, name: str, data_json: str) -> str:
     return f"{head}event: {name}\ndata: {data_json}\n\n"
 
 
+def sse_many(batch: list[tuple[int, str, str]]) -> str:
+    """``sse`` of every event of ``batch``, in one piece: a replay writes pages of thousands."""
+    return "".join([f"id: {seq}\nevent: {name}\ndata: {data}\n\n" for seq, name, data in batch])
+
+
 def ws_frame(seq: int, name: str, data_json: str) -> str:
     return f'{{"id":{seq},"event":{json.dumps(name)},"data":{data_json}}}'
 

@@ -81,7 +81,7 @@ def sse(task_id: str):
                 if batch is None:
                     yield ": keep-alive\n\n"
                     continue
-                yield "".join(events.sse(*event) for event in batch)
+                yield events.sse_many(batch)
                 last = batch[-1][0]
         except ShuttingDown:
             yield ": this server is shutting down; reconnect with Last-Event-ID to continue\n\n"

@@ -142,3 +142,25 @@ def test_event_streams_are_exactly_text_event_stream(unit, alice):
         direct = alice.post("/lmsp/v1/responses", request_body(MODEL, stream=True))
         assert direct.headers["Content-Type"] == "text/event-stream"
         direct.get_data()
+
+
+def test_a_replay_longer_than_a_page_comes_whole_and_in_order(unit, alice, monkeypatch):
+    monkeypatch.setattr("api.live.PAGE", 2)  # 6 events and a stray: four reads
+    task = alice.task("succeeded")
+    script = _script(task.response_id)
+    alice.log(task, [*script, (events.TEXT_DELTA, events.text_delta(task.response_id, 0, "msg_1", "late"))])
+    batches = list(follow(_hub(unit), task.response_id, 0, logged=True, heartbeat=1, ended=_running))
+    assert [len(batch) for batch in batches] == [2, 2, 2]
+    assert [seq for batch in batches for seq, _, _ in batch] == [1, 2, 3, 4, 5, 6]  # nothing after the final
+
+
+def test_sse_frames_are_the_spec_form_byte_for_byte(unit, alice):
+    """6.3: each event is ``id``, ``event`` and ``data`` lines and a blank line, the data as logged."""
+    task = alice.task("succeeded")
+    script = _script(task.response_id)
+    alice.log(task, script)
+    expected = "".join(f"id: {seq}\nevent: {name}\ndata: {events.dumps(data)}\n\n"
+                       for seq, (name, data) in enumerate(script, 1))
+    assert events.sse_many([(1, events.CREATED, "{}")]) == events.sse(1, events.CREATED, "{}")
+    resp = alice.get(f"/lmsp/v1/tasks/{task.id}/events")
+    assert resp.status_code == 200 and resp.get_data(as_text=True) == expected
