@@ -662,7 +662,8 @@ def b4(run, table: Table) -> None:
                 f"complete, {r['n_errors']} failed, stalled>1s {r['stalled_over_1s']}, all connected after "
                 f"{r['all_connected_after_s'] or 0:.1f}s; lag p50 {r['p50_ms'] or 0:.1f} p99 {r['p99_ms'] or 0:.1f} "
                 f"max {r['max_ms'] or 0:.1f} ms ({r['samples']} samples); once all connected: p99 "
-                f"{r['steady_p99_ms'] or 0:.1f} ms ({r['steady_samples']} samples); {r['errors'][:1]}")
+                f"{r['steady_p99_ms'] or 0:.1f} ms ({r['steady_samples']} samples); to socket arrival p50 "
+                f"{r['arrival_p50_ms'] or 0:.1f} p99 {r['arrival_p99_ms'] or 0:.1f} ms; {r['errors'][:1]}")
             reps.append(r)
         p99 = median([r["p99_ms"] for r in reps])
         steady = median([r["steady_p99_ms"] for r in reps])
