@@ -145,7 +145,10 @@ class RawStream:
         buf, t = self.rest, self.headers_at
         self.arrived = t
         if arrival:
-            self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            except OSError:
+                arrival = False  # not Linux: the arrival time stays the receive time
         try:
             while True:
                 end = buf.rfind(b"\n\n") + 2  # the complete blocks; the rest waits for more bytes
@@ -163,11 +166,13 @@ class RawStream:
                     chunk, ancillary, _flags, _addr = self.sock.recvmsg(1 << 18, _TIMESPEC_SPACE)
                     for level, kind, value in ancillary:
                         if (level, kind) == (socket.SOL_SOCKET, SO_TIMESTAMPNS):
-                            sec, nsec = struct.unpack("@ll", value[:_TIMESPEC.size])
+                            sec, nsec = _TIMESPEC.unpack(value[:_TIMESPEC.size])
                             self.arrived = sec + nsec / 1e9
                 else:
                     chunk = self.sock.recv(1 << 18)
                 t = time.time()
+                if not arrival:
+                    self.arrived = t
                 if not chunk:
                     return
                 buf += chunk
