@@ -35,7 +35,7 @@ run: model
 
 # The layers in order: the api without servers, then the real stack, then the faults (tests/*/).
 test: model browser
-	$(BIN)/pytest tests/unit tests/functional tests/faults
+	$(BIN)/pytest --durations=15 tests/unit tests/functional tests/faults
 
 .PHONY: test-unit
 test-unit: model  # the api without an engine, Redis or Postgres (tests/unit): well under a minute

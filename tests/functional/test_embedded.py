@@ -146,26 +146,23 @@ def _crash_and_restart(stack: Stack, model: str, runs: list) -> None:
     first, client = _start_dev(stack, "dev-1.log")
     runs.append(first)
     failing, retried = (_running_task(client, model, policy) for policy in ("fail", "retry"))
-    # SIGKILL to `lmsp dev` alone: its api and worker must not serve on as orphans (the port and the
-    # worker id would refuse the next `lmsp dev`); the worker hands its tasks on as it goes.
-    first.kill()
-    wait_for(lambda: not _serving(client.base) and engine_pids(tag) == [], 90, "lmsp dev's children outlived it")
+    # All of it at once, as a power cut would: the killed worker's heartbeat looks live for a lease,
+    # yet the next run says ready only once its own engine serves; each task follows its policy.
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(10)
     second, client = _start_dev(stack, "dev-2.log")
     runs.append(second)
-    got = client.get(f"/lmsp/v1/tasks/{failing['id']}").json()
-    assert got["status"] == "failed" and got["error"]["code"] == "server_restarted"
-    wait_for(lambda: client.get(f"/lmsp/v1/tasks/{retried['id']}").json()["status"] == "running", 120, "retry")
-    # Now all of it at once, as a power cut would: the killed worker's heartbeat looks live for a lease,
-    # yet the next run says ready only once its own engine serves.
-    os.killpg(second.pid, signal.SIGKILL)
-    second.wait(10)
-    third, client = _start_dev(stack, "dev-3.log")
-    runs.append(third)
     started = time.monotonic()
     answer = client.post("/lmsp/v1/responses", {"model": model, "input": user("Hi."), "max_output_tokens": 1})
     assert answer.status_code == 200 and time.monotonic() - started < 15
+    got = client.get(f"/lmsp/v1/tasks/{failing['id']}").json()
+    assert got["status"] == "failed" and got["error"]["code"] == "server_restarted"
     events = client.sse(retried["events_url"])
     assert [e[0] for e in events] == list(range(1, len(events) + 1))
     assert [e[1] for e in events if e[1] in FINAL] == [events[-1][1]]
     assert events[-1][1] in ("response.completed", "response.incomplete")
-    assert [e[2]["attempt"] for e in events if e[1] == "response.attempt.started"][-1] >= 3
+    assert [e[2]["attempt"] for e in events if e[1] == "response.attempt.started"][-1] >= 2
+    # SIGKILL to `lmsp dev` alone: its api and worker must not serve on as orphans (the port and the
+    # worker id would refuse the next `lmsp dev`).
+    second.kill()
+    wait_for(lambda: not _serving(client.base) and engine_pids(tag) == [], 90, "lmsp dev's children outlived it")
