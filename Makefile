@@ -33,9 +33,15 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/lmsp dev
 
-# The layers in order: the api without servers, then the real stack, then the faults (tests/*/).
+# The layers (tests/*/): the api without servers runs beside the real stack (it needs no server and
+# fills the stack's waits for engines and leases); then the faults, which restart Postgres and Redis.
+# The unit layer's report is printed once the stack's is done; either failing fails the target.
+UNIT_LOG := $(VENV)/unit-tests.log
 test: model browser
-	$(BIN)/pytest --durations=15 tests/unit tests/functional tests/faults
+	@$(BIN)/pytest -q -p no:cacheprovider --basetemp=$(VENV)/unit-tmp tests/unit > $(UNIT_LOG) 2>&1 & unit=$$!; \
+	$(BIN)/pytest --durations=15 tests/functional tests/faults; stack=$$?; \
+	wait $$unit; units=$$?; echo "== tests/unit (ran beside the stack)"; cat $(UNIT_LOG); \
+	test $$stack -eq 0 && test $$units -eq 0
 
 .PHONY: test-unit
 test-unit: model  # the api without an engine, Redis or Postgres (tests/unit): well under a minute
