@@ -182,6 +182,25 @@ def upgrade(url: str, revision: str = "head") -> None:
         except CommandError as exc:
             newer = "; a newer lmsp migrated it: run that version" if "locate revision" in str(exc) else ""
             raise ConfigError(f"cannot migrate {shown_url(url)}: {exc}{newer}") from None
+        _make_partitions(url)
+
+
+def _make_partitions(url: str) -> None:
+    """The event log's partitions for the periods ahead (then the workers' sweeper keeps them ahead)."""
+    import time
+
+    from sqlalchemy.pool import NullPool
+
+    from common import partitions
+    from common.settings import get_settings
+
+    settings = get_settings()
+    engine = make_engine(url, poolclass=NullPool)
+    try:
+        partitions.ensure_ahead(engine, time.time() + settings.event_partitions_ahead_seconds,
+                                settings.event_partition_seconds)
+    finally:
+        engine.dispose()
 
 
 def downgrade(url: str, revision: str = "base") -> None:

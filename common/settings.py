@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     event_retention_seconds: int = 24 * 3600
     record_retention_seconds: int = 30 * 24 * 3600
     idempotency_retention_seconds: int = 24 * 3600
+    # The event log's partitions on Postgres: each holds the responses made in this period, and they are
+    # made this far ahead (common/partitions.py). A partition is dropped whole, so events are kept for
+    # up to one period more than the event retention.
+    event_partition_seconds: Count = 3600
+    event_partitions_ahead_seconds: Count = 24 * 3600
     # Worker liveness.
     lease_seconds: Count = 30
     heartbeat_seconds: Interval = 5.0

@@ -1,10 +1,20 @@
 """The data model. Times are Unix seconds (float) so SQLite and Postgres agree."""
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 Json = JSON().with_variant(JSONB(), "postgresql")
+
+
+def _partial(name: str, *columns: str, where: str) -> Index:
+    """An index of only the rows a sweep looks for, so the sweep costs what it finds, not the table."""
+    return Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
+
+
+# The states a sweep looks for (literal: a partial index's predicate must be implied by the query's).
+UNOWNED = "worker_id IS NULL AND status IN ('queued', 'loading', 'running', 'cancelling')"
+OPEN_RESPONSE = "status IN ('queued', 'in_progress')"
 
 
 class Base(DeclarativeBase):
@@ -47,6 +57,12 @@ class Response(Base):
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 
+    __table_args__ = (
+        Index("ix_responses_updated", "updated_at"),                                  # retention
+        _partial("ix_responses_generating", "worker_id", where="status = 'in_progress'"),  # dead workers'
+        _partial("ix_responses_open", "created_at", where=OPEN_RESPONSE),  # what holds a partition back
+    )
+
 
 class Task(Base):
     __tablename__ = "tasks"
@@ -71,6 +87,10 @@ class Task(Base):
         Index("ix_tasks_status_model", "status", "model"),
         Index("ix_tasks_worker_status", "worker_id", "status"),
         Index("ix_tasks_principal_status", "principal_id", "status"),  # the per-principal queue limit
+        Index("ix_tasks_ended", "ended_at"),                              # record retention
+        _partial("ix_tasks_unowned", "model", "dispatched_at", where=UNOWNED),  # broker re-sends
+        # Tasks whose events are still kept, by creation time: what holds an event partition back.
+        _partial("ix_tasks_events_kept", "created_at", where="NOT events_expired"),
     )
 
 
@@ -84,12 +104,24 @@ class QueueCount(Base):
 
 
 class Event(Base):
+    """The log. On Postgres it is partitioned by range of ``response_id`` (ids sort by creation time, so
+    a partition holds the events of the responses made in one period, and every event of a response is
+    in one partition: the primary key stays global and a response's reads touch one partition), in the
+    byte order of collation "C". Retention drops whole partitions (common/partitions.py)."""
     __tablename__ = "events"
-    response_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    response_id: Mapped[str] = mapped_column(String(40).with_variant(String(40, collation="C"), "postgresql"),
+                                             primary_key=True)
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64))
     data: Mapped[str] = mapped_column(Text)  # JSON text, written once and served as is
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class Sweep(Base):
+    """When a cluster-wide sweep last ran: of all the workers ticking, one runs it per interval."""
+    __tablename__ = "sweeps"
+    name: Mapped[str] = mapped_column(String(250), primary_key=True)
+    swept_at: Mapped[float] = mapped_column(Float)
 
 
 class IdempotencyRecord(Base):

@@ -20,6 +20,7 @@ from common.db import (
     make_engine,
     upgrade,
 )
+from common.partitions import is_partition
 from common.tables import Base
 from tests.harness import create_database, drop_database
 
@@ -60,7 +61,9 @@ def test_head_is_exactly_the_models(url):
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+            opts = {"compare_type": True, "include_name": lambda name, kind, _: not (
+                kind == "table" and is_partition(name))}  # made at run time
+            diff = compare_metadata(MigrationContext.configure(conn, opts=opts), Base.metadata)
         assert diff == [], "the migrations and common/tables.py disagree; write a new revision"
         ensure_migrated(engine)
     finally:
