@@ -24,7 +24,7 @@ def append(session: Session, response_id: str, batch: list[tuple[int, str, str]]
     now = time.time()
     conn = session.connection()
     if conn.dialect.name == "postgresql":
-        seqs, names, datas = (list(column) for column in zip(*batch))
+        seqs, names, datas = (list(column) for column in zip(*batch, strict=True))
         conn.exec_driver_sql(INSERT_PG, {"rid": response_id, "now": now, "seqs": seqs, "names": names,
                                          "datas": datas})
         return

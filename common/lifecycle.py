@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import JSON, bindparam, exists, func, insert, select, tuple_, update
+from sqlalchemy import JSON, bindparam, case, exists, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from common import eventlog, events
@@ -473,7 +473,7 @@ def fail_direct(session: Session, worker_ids: list[str], error: dict) -> list[st
     """Direct responses of dead workers: the api's followers see the row and end their streams."""
     rows = session.execute(update(Response).where(
         Response.worker_id.in_(worker_ids), Response.status == R.IN_PROGRESS,
-        ~Response.id.in_(select(Task.response_id))).values(
+        ~exists().where(Task.response_id == Response.id)).values(
         status=R.FAILED, error=error, updated_at=time.time()).returning(Response.id)).scalars()
     return list(rows)
 
@@ -485,15 +485,14 @@ def due_dispatches(session: Session, model: str, requeue_after: float, *, force:
     long backlog does not fill the broker with copies; ``force`` (the broker restarted empty) makes
     every one due now. Marks the ones returned as sent; concurrent sweepers never both get one."""
     now = session.execute(select(db_now())).scalar()
-    rows = session.execute(select(Task.id, Task.dispatched_at, Task.dispatches).where(
-        Task.model == model, Task.status.in_([QUEUED, *LIVE]), Task.worker_id.is_(None),
-        Task.dispatched_at < now - (1 if force else requeue_after))).all()
-    due = [(tid, at) for tid, at, n in rows
-           if force or at < now - requeue_after * 2 ** min(max(n, 1) - 1, 4)]
-    if not due:
-        return []
+    # Due in SQL, so a long backlog waiting out its backoff is neither returned nor written; the partial
+    # index of unowned tasks (model, dispatched_at) keeps the read to this model's tasks waiting for one.
+    backoff = case((Task.dispatches <= 1, 1), (Task.dispatches == 2, 2), (Task.dispatches == 3, 4),
+                   (Task.dispatches == 4, 8), else_=16) * requeue_after
     return list(session.execute(update(Task).where(
-        tuple_(Task.id, Task.dispatched_at).in_(due), Task.worker_id.is_(None)).values(
+        Task.model == model, Task.status.in_([QUEUED, *LIVE]), Task.worker_id.is_(None),
+        Task.dispatched_at < now - (1 if force else requeue_after),
+        *(() if force else (Task.dispatched_at < now - backoff,))).values(
         dispatched_at=now, dispatches=Task.dispatches + 1).returning(Task.id)).scalars())
 
 

@@ -13,16 +13,16 @@ import threading
 import time
 
 import redis
-from sqlalchemy import delete, select, text, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import delete, exists, select, text, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from common import eventlog, lifecycle
+from common import eventlog, lifecycle, partitions
 from common.broker import BACKGROUND, dispatch
 from common.bus import CONTROL, aborted
-from common.db import transaction
+from common.db import db_now, transaction
 from common.registry import queue_name
 from common.states import CANCELLING, LIVE
-from common.tables import IdempotencyRecord, Response, Task
+from common.tables import Event, IdempotencyRecord, Response, Sweep, Task
 from worker import metrics, runner
 from worker.context import WorkerContext
 from worker.engine import kill_stale_engines
@@ -102,10 +102,9 @@ def hand_on_orphans(ctx: WorkerContext) -> None:
     ctx.orphans = suspects
 
 
-def redispatch_lost(ctx: WorkerContext) -> None:
+def redispatch_lost(ctx: WorkerContext, force: bool = False) -> None:
     """Tasks of this model whose broker message may be lost are sent again, each on its own clock;
-    all at once when the broker restarted (it keeps nothing). The claim makes a copy harmless."""
-    force = ctx.broker_restarted()
+    all at once when the broker restarted (``force``: it keeps nothing). The claim makes a copy harmless."""
     ids = ctx.write(lambda s: (lifecycle.due_dispatches(s, ctx.spec.id, ctx.settings.requeue_after_seconds,
                                                         force=force), {}))[0]
     if ids:
@@ -115,23 +114,36 @@ def redispatch_lost(ctx: WorkerContext) -> None:
 
 
 def enforce_retention(ctx: WorkerContext) -> None:
-    s, now = ctx.settings, time.time()
+    """Events past their retention (spec 11.2), then tasks, responses and idempotency records past theirs.
+    On Postgres events go by whole partitions (common/partitions.py), direct responses' with the rest; on
+    SQLite by rows, a task's once it is past its retention and a direct response's likewise."""
+    s = ctx.settings
+    engine = ctx.sessions.kw["bind"]
+    by_partition = partitions.partitioned(engine)
+    if by_partition:
+        partitions.maintain(engine, retention=s.event_retention_seconds, width=s.event_partition_seconds,
+                            ahead=s.event_partitions_ahead_seconds)
     with ctx.sessions() as session:
-        expired = list(session.execute(select(Task.id, Task.response_id).where(
-            Task.ended_at < now - s.event_retention_seconds, Task.events_expired.is_(False)).limit(500)).all())
-        if expired:
-            eventlog.purge(session, [rid for _, rid in expired])
-            session.execute(update(Task).where(Task.id.in_([tid for tid, _ in expired]))
-                            .values(events_expired=True))
+        now = session.execute(select(db_now())).scalar()
+        if not by_partition:
+            expired = list(session.execute(select(Task.id, Task.response_id).where(
+                Task.ended_at < now - s.event_retention_seconds, ~Task.events_expired).limit(500)).all())
+            if expired:
+                eventlog.purge(session, [rid for _, rid in expired])
+                session.execute(update(Task).where(Task.id.in_([tid for tid, _ in expired]))
+                                .values(events_expired=True))
+            eventlog.purge_direct(session, now - s.event_retention_seconds)
         old = list(session.execute(select(Task.id, Task.response_id).where(
             Task.ended_at < now - s.record_retention_seconds).limit(500)).all())
         if old:
             session.execute(delete(Task).where(Task.id.in_([tid for tid, _ in old])))
             session.execute(delete(Response).where(Response.id.in_([rid for _, rid in old])))
-        # Direct responses: unstored ones only live for their stream; stored ones as long as tasks.
-        direct = ~Response.id.in_(select(Task.response_id))
+        # Direct responses: unstored ones only live for their stream; stored ones as long as tasks. On
+        # SQLite one whose events are still there waits for purge_direct (500 a sweep).
+        direct = ~exists().where(Task.response_id == Response.id)
+        logged = () if by_partition else (~exists().where(Event.response_id == Response.id),)
         session.execute(delete(Response).where(direct, Response.stored.is_(False),
-                                               Response.updated_at < now - s.event_retention_seconds))
+                                               Response.updated_at < now - s.event_retention_seconds, *logged))
         session.execute(delete(Response).where(direct, Response.updated_at < now - s.record_retention_seconds))
         session.execute(delete(IdempotencyRecord).where(
             IdempotencyRecord.created_at < now - s.idempotency_retention_seconds))
@@ -230,11 +242,35 @@ def _every(ctx: WorkerContext, seconds: float, fn, name: str) -> threading.Threa
     return thread
 
 
+def my_turn(ctx: WorkerContext, name: str) -> bool:
+    """Whether this worker runs the sweep ``name`` now. Every worker ticks, but of all those that do, one
+    runs a cluster-wide sweep per sweep interval (by the database's clock): a hundred workers cost the
+    database what one does. The row of the sweep is claimed by one conditional UPDATE, so two never both
+    win one interval."""
+    interval = ctx.settings.sweep_seconds * 0.8  # ticks drift: never skip a whole interval
+    with transaction(ctx.sessions) as session:
+        if session.execute(update(Sweep).where(Sweep.name == name, Sweep.swept_at < db_now() - interval)
+                           .values(swept_at=db_now())).rowcount:
+            return True
+        if session.get(Sweep, name) is not None:
+            return False
+    try:
+        with transaction(ctx.sessions) as session:
+            session.execute(Sweep.__table__.insert().values(name=name, swept_at=db_now()))
+        return True
+    except IntegrityError:
+        return False  # another worker made it first
+
+
 def sweep(ctx: WorkerContext) -> None:
-    take_over_dead(ctx)
-    hand_on_orphans(ctx)
-    redispatch_lost(ctx)
-    enforce_retention(ctx)
+    if ctx.settled() and my_turn(ctx, "takeover"):
+        take_over_dead(ctx)
+    hand_on_orphans(ctx)  # this worker's own tasks (and cancellations nobody runs, by an index)
+    force = ctx.broker_restarted()  # each worker notices that itself: never gated
+    if force or my_turn(ctx, f"dispatch:{ctx.spec.id}"):
+        redispatch_lost(ctx, force)
+    if my_turn(ctx, "retention"):
+        enforce_retention(ctx)
 
 
 def watch_cancellations(ctx: WorkerContext) -> None:

@@ -22,7 +22,7 @@ import time
 import psycopg
 from sqlalchemy import text
 
-from common import eventlog, events, lifecycle
+from common import events, lifecycle
 from common.db import make_engine, session_factory, transaction, upgrade
 from common.states import R
 from tests import factories
@@ -83,18 +83,38 @@ class _Wal:
             (start, f"%/{self.db}/%")).fetchone()[0]
 
 
+_DELTA = events.dumps({"type": "response.output_text.delta", "item_id": "msg_01J8M8R5X3V7B2N4Q9T1W6Y0ZC",
+                       "output_index": 0, "content_index": 0, "delta": " a few tokens of text"})
+
+
+def sweep_queries(sessions, model: str, me: str) -> None:
+    """What each worker's sweeper and cancel watch ask the database every tick (worker/recovery.py)."""
+    from sqlalchemy import select
+
+    from common.states import CANCELLING, LIVE
+    from common.tables import Response, Task
+    with transaction(sessions) as session:
+        dead = lifecycle.expired_workers(session, 30, me)
+        lifecycle.fail_direct(session, dead + ["gone-worker"], {})
+        session.execute(select(Task.id, Task.attempt).where(Task.worker_id.in_(dead + ["gone-worker"]),
+                                                            Task.status.in_(LIVE))).all()
+        session.execute(select(Task.id).where(Task.status.in_(LIVE), Task.worker_id == me).union_all(
+            select(Task.id).where(Task.status == CANCELLING, Task.worker_id.is_(None)))).all()
+        lifecycle.due_dispatches(session, model, 60)
+        session.execute(select(Response.id).where(Response.id.in_(["resp_x"]), Response.status == "cancelled")).all()
+        lifecycle.live_workers(session, 30)
+
+
 def measure_append(url: str, sessions) -> None:
     wal = _Wal(url)
     for attempts_n, per, rounds in ((8, 2, 600), (64, 4, 150), (64, 16, 60)):
         _, attempts = _tasks(sessions, attempts_n, model=f"append{attempts_n}x{per}", claim_by="bench-w")
         seqs = {a: 2 for a in attempts}
-        payload = events.dumps({"type": "response.output_text.delta", "item_id": "msg_01J8M8R5X3V7B2N4Q9T1W6Y0ZC",
-                                "output_index": 0, "content_index": 0, "delta": " a few tokens of text"})
 
-        def batches():
+        def batches(attempts=attempts, seqs=seqs, per=per):
             grouped = {}
             for a in attempts:
-                grouped[a] = [(seqs[a] + i, events.TEXT_DELTA, payload) for i in range(per)]
+                grouped[a] = [(seqs[a] + i, events.TEXT_DELTA, _DELTA) for i in range(per)]
                 seqs[a] += per
             return grouped
 
@@ -121,7 +141,6 @@ def measure_append(url: str, sessions) -> None:
 
 
 def measure_claim(url: str, sessions, queued: int = 10_000, workers: int = 32) -> None:
-    from worker import recovery
     task_ids, _ = _tasks(sessions, queued, model="claimq")
     todo = list(task_ids)
     lock, latencies, stop = threading.Lock(), [], threading.Event()
@@ -145,7 +164,7 @@ def measure_claim(url: str, sessions, queued: int = 10_000, workers: int = 32) -
     def sweeper():
         while not stop.is_set():
             t0 = time.perf_counter()
-            recovery.sweep_queries(sessions, "claimq", "claim-w0")
+            sweep_queries(sessions, "claimq", "claim-w0")
             sweeps.append(time.perf_counter() - t0)
 
     sweeping = threading.Thread(target=sweeper)
