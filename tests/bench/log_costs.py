@@ -22,8 +22,9 @@ import time
 import psycopg
 from sqlalchemy import text
 
-from common import events, lifecycle
+from common import events, lifecycle, partitions
 from common.db import make_engine, session_factory, transaction, upgrade
+from common.ids import id_floor
 from common.states import R
 from tests import factories
 from tests.harness import create_database, drop_database
@@ -140,15 +141,35 @@ def measure_append(url: str, sessions) -> None:
               f"{n / wall:,.0f} events/s on one connection", flush=True)
 
 
-def measure_claim(url: str, sessions, queued: int = 10_000, workers: int = 32) -> None:
+def measure_claim(url: str, sessions, queued: int = 10_000, workers: int = 32, rate: float = 100.0,
+                  claims: int = 2000) -> None:
+    """``workers`` threads claim ``rate`` tasks a second between them (a cluster of 100 GPUs x 64 streams
+    with one-minute tasks claims ~100/s), while one more thread runs every sweep query back to back."""
     task_ids, _ = _tasks(sessions, queued, model="claimq")
-    todo = list(task_ids)
+    # CPU per claim, one at a time (what a loaded machine's wall clock hides): here and in Postgres.
+    with sessions() as session:
+        pid = session.execute(text("SELECT pg_backend_pid()")).scalar()
+        session.commit()
+        serial = task_ids[claims:claims + 300]
+        pg0, me0 = _backend_cpu(pid), time.thread_time()
+        for task_id in serial:
+            assert lifecycle.claim(session, task_id, "serial-w")[0] is not None
+            session.commit()
+        me, pg = time.thread_time() - me0, _backend_cpu(pid) - pg0
+    print(f"claim with {queued:,} queued, one at a time: {me / len(serial) * 1e3:.2f} ms CPU here, "
+          f"{pg / len(serial) * 1e3:.2f} ms in Postgres per claim", flush=True)
+    todo = task_ids[:claims]
     lock, latencies, stop = threading.Lock(), [], threading.Event()
+    start = time.perf_counter() + 0.5
 
     def claimer(i):
+        n = 0
         while True:
+            due = start + (n * workers + i) / rate
+            n += 1
+            time.sleep(max(0.0, due - time.perf_counter()))
             with lock:
-                if not todo or len(latencies) >= 4000:
+                if not todo:
                     return
                 task_id = todo.pop()
             t0 = time.perf_counter()
@@ -170,17 +191,16 @@ def measure_claim(url: str, sessions, queued: int = 10_000, workers: int = 32) -
     sweeping = threading.Thread(target=sweeper)
     sweeping.start()
     threads = [threading.Thread(target=claimer, args=(i,)) for i in range(workers)]
-    t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - start
     stop.set()
     sweeping.join()
-    print(f"claim with {queued:,} queued, {workers} threads: p50 {_p(latencies, .5) * 1e3:.1f} ms, "
-          f"p99 {_p(latencies, .99) * 1e3:.1f} ms, {len(latencies) / wall:,.0f} claims/s; "
-          f"a sweep's queries p50 {_p(sweeps, .5) * 1e3:.1f} ms over {len(sweeps)} sweeps", flush=True)
+    print(f"claim with {queued:,} queued, {workers} threads offering {rate:.0f}/s: p50 {_p(latencies, .5) * 1e3:.1f} ms, "
+          f"p99 {_p(latencies, .99) * 1e3:.1f} ms, {len(latencies) / wall:,.0f} claims/s; every sweep query "
+          f"back to back meanwhile: p50 {_p(sweeps, .5) * 1e3:.1f} ms a round, {len(sweeps)} rounds", flush=True)
 
 
 def measure_retention(url: str, sessions, rate: int = 10_000, seconds: float = 8.0) -> None:
@@ -215,17 +235,27 @@ def measure_retention(url: str, sessions, rate: int = 10_000, seconds: float = 8
             side.join()
         return lat, rows / wall
 
+    # An old period to drop: 50 tasks made 10 hours ago (so in events_p0), ended, 200,000 events.
+    engine = sessions.kw["bind"]
+    with transaction(sessions) as session:
+        session.execute(text("""
+            INSERT INTO responses (id, principal_id, model, request, status, stored, created_at, updated_at)
+            SELECT 'resp_' || :prefix || lpad(i::text, 16, '0'), 'bench', 'old', '{}', 'completed', true, :at, :at
+            FROM generate_series(1, 50) i"""), {"prefix": id_floor("response", time.time() - 36000)[5:], "at":
+                                                time.time() - 36000})
+        session.execute(text("""
+            INSERT INTO events (response_id, seq, name, data, created_at)
+            SELECT 'resp_' || :prefix || lpad((i % 50 + 1)::text, 16, '0'), i, 'x', repeat('x', 100), 0
+            FROM generate_series(1, 200000) i"""), {"prefix": id_floor("response", time.time() - 36000)[5:]})
+
     def maintain():
-        # Partitions a day of old (expired, no task left) and a day ahead: the sweeper's work, all at once.
-        from common import partitions
-        now = time.time()
-        with sessions() as session:
-            partitions.create_range(session, now - 86400 * 3, now - 86400 * 2)
-        for _ in range(3):
-            time.sleep(1)
-            dropped = partitions.drop_expired(sessions, retention=3600, now=now)
-            partitions.ensure_ahead(sessions, now + 86400, now=now)
-        print(f"  (retention dropped {dropped} partitions)", flush=True)
+        time.sleep(1)
+        t0 = time.perf_counter()
+        made = partitions.ensure_ahead(engine, time.time() + 3 * 86400, 3600)
+        t1 = time.perf_counter()
+        dropped = partitions.drop_expired(engine, 1)  # events_p0 holds only the old period here
+        print(f"  ({made} partitions made in {(t1 - t0) * 1e3:.0f} ms, {dropped} dropped (200,000 rows) in "
+              f"{(time.perf_counter() - t1) * 1e3:.0f} ms, while writing)", flush=True)
 
     for label, during in (("alone", None), ("with partitions added and dropped", maintain)):
         lat, speed = write(seconds, during)
