@@ -179,3 +179,33 @@ def _rows_at(at: float):
     task = lifecycle.new_task(response, "fail")
     task.created_at = task.updated_at = at
     return response, task
+
+
+def test_retention_purges_the_events_of_direct_responses_on_sqlite(tmp_path):
+    """Issue 21 item 7: a direct response's events were never deleted. SQLite deletes them by rows once
+    the response is past the event retention (Postgres drops their partition with the tasks'). <1 s."""
+    url = f"sqlite:///{tmp_path / 'direct.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    sessions = session_factory(engine)
+    settings = Settings(database_url=url, event_retention_seconds=600)
+    with transaction(sessions) as session:
+        factories.principal(session, "p")
+        for stored, age in ((True, 3600), (False, 3600), (True, 60)):
+            response = lifecycle.new_response(principal="p", model="m", request={"input": []}, input_tokens=1,
+                                              max_tokens=1, status=lifecycle.R.COMPLETED, stored=stored,
+                                              previous_response_id=None)
+            response.updated_at = time.time() - age
+            session.add(response)
+            session.flush()
+            eventlog.append(session, response.id, [(1, "response.created", "{}"), (2, "response.completed", "{}")])
+    recovery.enforce_retention(SimpleNamespace(settings=settings, sessions=sessions))
+    with sessions() as session:
+        kept = session.execute(text("SELECT r.stored, count(e.seq) FROM responses r LEFT JOIN events e "
+                                    "ON e.response_id = r.id GROUP BY r.id ORDER BY r.updated_at")).all()
+    # The stored one past its event retention keeps its record, not its events; the unstored one is gone
+    # with its events; the recent one keeps both.
+    assert [tuple(k) for k in kept] == [(True, 0), (True, 2)]
+    with sessions() as session:
+        assert session.execute(text("SELECT count(*) FROM events")).scalar() == 2  # no orphan rows
+    engine.dispose()
