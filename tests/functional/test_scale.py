@@ -8,8 +8,8 @@
   the events endpoint's check answers 410 while the task itself is still there, and a partition
   with one task still inside its retention is kept, its expired tasks flagged.
 
-Cost: the crowded database ~6 s idle, ~19 s on this machine under load (its own database, 30,000 rows
-written by INSERT ... SELECT); the retention test ~1 s beyond the shared api fixture; the SQLite one ~1-3 s.
+Cost (measured with the machine at load ~30 on 2 cores): the crowded database ~19 s (its own, 30,000 rows
+written by INSERT ... SELECT); the retention test ~1 s beyond the shared api fixture; the SQLite one ~3 s.
 """
 
 import json
