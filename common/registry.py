@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from common.errors import LMSPError
 from common.settings import ConfigError
+
+ENGINE_KINDS = ("vllm", "sim")
 
 
 class Capabilities(BaseModel):
@@ -30,13 +32,33 @@ class ModelSpec(BaseModel):
     checkpoint: str
     context_window: int
     max_output_tokens: int
-    engine: dict = Field(default_factory=dict)   # vLLM engine arguments (dtype, max_model_len, max_num_seqs, ...)
+    # vLLM engine arguments (dtype, max_model_len, max_num_seqs, ...), or the simulated engine: `sim`, or
+    # {kind: sim, ttft_ms, tokens_per_s, max_num_seqs, ...} (worker/sim.py; for load tests, no GPU, no vLLM).
+    engine: dict = Field(default_factory=dict)
     kv_cache_gib: float | None = None             # CPU KV cache; None: sized from free memory
     capabilities: Capabilities = Field(default_factory=Capabilities)
     tool_call_parser: str | None = None           # "hermes": <tool_call>{json}</tool_call>
     reasoning_parser: str | None = None           # "think": <think>...</think> (Qwen3, DeepSeek-R1)
     default_temperature: float = 0.7
     queue_depth: int = 10000                      # beyond this many queued tasks: 503 overloaded
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_kind(cls, value):
+        if isinstance(value, str):
+            return {"kind": value}
+        return value
+
+    @field_validator("engine")
+    @classmethod
+    def _known_kind(cls, value: dict) -> dict:
+        if value.get("kind", "vllm") not in ENGINE_KINDS:
+            raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, not {value['kind']!r}")
+        return value
+
+    @property
+    def engine_kind(self) -> str:
+        return self.engine.get("kind", "vllm")
 
     def public_capabilities(self) -> dict:
         caps = self.capabilities.model_dump()
@@ -187,7 +209,9 @@ def resolve_engine(spec: ModelSpec, machine: Machine, environ=None) -> EngineSet
     """``spec.engine`` made concrete for ``machine``. An explicit value wins: the operator's
     environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), then the model's entry."""
     environ = os.environ if environ is None else environ
-    args = dict(spec.engine)
+    args = {k: v for k, v in spec.engine.items() if k != "kind"}
+    if spec.engine_kind == "sim":  # no device, no dtype, no KV cache: what it simulates is all in args
+        return EngineSettings(args=args, resolved={"device": "sim", **args})
     dtype, why = resolve_dtype(str(args.get("dtype", "auto")), machine)
     args["dtype"] = dtype
     resolved = {"device": machine.device, "dtype": f"{dtype} ({why})"}

@@ -23,6 +23,7 @@ from common.registry import Registry, detect_machine, resolve_engine
 from common.settings import ConfigError, get_settings
 from worker import identity, interactive, metrics, recovery, runner
 from worker.context import WorkerContext
+from worker.procs import kill_stale_engines, mark_deployment
 from worker.writer import EventWriter
 
 log = logging.getLogger("lmsp.worker")
@@ -40,7 +41,10 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
         raise ConfigError(f"model {model_id}: {checkpoint} is not a checkpoint folder (no config.json); "
                           f"fix its checkpoint in {settings.models_path} or import it again with "
                           "`lmsp models import-gguf FILE --id ID`")
-    from worker.engine import EngineHost, kill_stale_engines, mark_deployment  # vLLM: seconds to import
+    if spec.engine_kind == "sim":  # never imports vLLM: dozens of simulated GPUs fit on one machine
+        from worker.sim import SimEngine as Host
+    else:
+        from worker.engine import EngineHost as Host  # vLLM: seconds to import
     worker_id = settings.worker_id or f"{socket.gethostname()}:{model_id}" + (f":gpu{gpu}" if gpu is not None else "")
     # A paused worker must not hold rows inside a transaction forever (a takeover waits on them).
     connect = {"connect_args": {"options": "-c idle_in_transaction_session_timeout=5000"}} \
@@ -57,9 +61,9 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
         log.warning("ended %d engine processes left by a previous run of %s", len(killed), worker_id)
     resolved = resolve_engine(spec, detect_machine())
 
-    def new_engine() -> EngineHost:
+    def new_engine() -> Host:
         log.info("loading %s from %s: %s", spec.id, spec.checkpoint, resolved.summary())
-        host = EngineHost(spec.checkpoint, resolved, tag=worker_id, pin=True)
+        host = Host(spec.checkpoint, resolved, tag=worker_id, pin=True)
         host.start()
         return host
 

@@ -25,7 +25,7 @@ from common.states import CANCELLING, LIVE
 from common.tables import Event, IdempotencyRecord, Response, Sweep, Task
 from worker import metrics, runner
 from worker.context import WorkerContext
-from worker.engine import kill_stale_engines
+from worker.procs import kill_stale_engines
 
 log = logging.getLogger("lmsp.recovery")
 

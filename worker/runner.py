@@ -9,7 +9,6 @@ import logging
 import time
 
 from sqlalchemy.exc import IntegrityError
-from vllm.v1.engine.exceptions import EngineDeadError
 
 from common import events, lifecycle, logs
 from common.broker import BACKGROUND, dispatch
@@ -23,7 +22,7 @@ from common.states import TASK_OUTCOME, R
 from common.tables import Response, Task
 from worker import metrics
 from worker.context import WorkerContext
-from worker.engine import GenParams
+from worker.gate import GenParams
 from worker.output import OutputBuilder
 
 log = logging.getLogger("lmsp.runner")
@@ -129,7 +128,7 @@ class Job:
         except Exception as exc:  # noqa: BLE001 - any engine failure ends the response as failed
             if ctx.stopping.is_set():
                 raise EngineStopped() from exc
-            if engine.dead or isinstance(exc, EngineDeadError):
+            if engine.dead or isinstance(exc, engine.dead_errors):
                 raise EngineLost() from exc
             log.exception("generation failed for %s", self.rid)
             error = problem("generation_failed", f"The engine failed: {type(exc).__name__}")

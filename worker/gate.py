@@ -1,0 +1,238 @@
+"""What every engine host shares, without importing an engine: the request and output types, one
+long-lived asyncio loop thread, and the admission gate.
+
+``AsyncLLM`` binds to the asyncio loop that first uses it, and Celery has no asyncio pool, so an
+engine lives on one long-lived loop in a daemon thread. Pool threads hand requests to that loop
+with ``run_coroutine_threadsafe`` and read the streamed outputs from a thread-safe queue; every
+in-flight task is one concurrent engine request, which keeps continuous batching full.
+
+Admission is ours: at most ``max_num_seqs`` requests are in the engine, the most urgent first.
+vLLM's priority scheduler preempts only when KV blocks run out, never for a batch slot, so a
+person's request arriving at a full batch would wait for a background one to finish; instead the
+host pauses the least urgent background request (aborts it, keeps its tokens) and resubmits it as
+prompt + output so far once a slot frees (the prefix cache makes that cheap). Structured-output
+requests are never paused: their grammar cannot restart mid-output.
+
+Until a person's request has its first token, the step that computes it carries no less urgent
+prefill: background requests not yet started are paused (they lose at most a partial prefill) and
+none is admitted or resumed, so its time to first token is the batch's decode step plus its own
+prompt, not a refill of the batch.
+
+A host (``worker.engine.EngineHost`` for vLLM, ``worker.sim.SimEngine``) implements ``_pump`` (one
+request, from admission to its final Delta) and ``_engine_abort`` (stop an admitted request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class GenParams:
+    max_tokens: int
+    temperature: float | None = None  # None -> the model's generation_config, else 1.0; 0 = greedy
+    json_schema: dict | None = None  # structured output: constrain to this JSON schema
+    stop_token_ids: list[int] | None = None
+    priority: int = 0  # lower value = served earlier (vLLM priority scheduling)
+    seed: int | None = None
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks, equal-length tests)
+
+
+@dataclass
+class Delta:
+    text: str  # new text since the previous Delta
+    token_ids: int  # number of new output tokens in this delta
+    finish_reason: str | None  # None while running; "stop" / "length" / "abort" at the end
+    prompt_tokens: int  # number of prompt tokens (same on every delta)
+
+
+class Request:
+    """One generate() call as the admission gate sees it (touched only on the loop thread)."""
+
+    _arrivals = itertools.count()
+
+    def __init__(self, request_id: str, params: GenParams):
+        self.request_id = request_id
+        self.params = params
+        self.order = (params.priority, next(self._arrivals))  # lower is more urgent
+        self.attempt = 0
+        self.output_ids: list[int] = []  # delivered so far: a paused request resumes after them
+        self.paused = False  # aborted by the gate, to be resubmitted
+        self.cancelled = False  # abort(): end it, whether admitted or waiting
+        self.slot: asyncio.Future | None = None  # set while waiting for admission
+
+    @property
+    def engine_id(self) -> str:
+        return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
+
+    def yields_to(self, other: Request) -> bool:
+        return self.params.priority > other.params.priority
+
+    def pausable_for(self, other: Request) -> bool:
+        return self.yields_to(other) and self.params.json_schema is None
+
+    def __lt__(self, other: Request) -> bool:
+        return self.order < other.order
+
+
+class GatedHost:
+    """An engine on its own loop thread behind the admission gate."""
+
+    # Exceptions from generate() that mean the engine itself is gone (the runner hands the task on).
+    dead_errors: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, max_num_seqs: int, thread_name: str):
+        self._max_seqs = max_num_seqs
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
+        self._pumps: set[asyncio.Task] = set()  # touched only on the loop thread
+        self._active: dict[str, Request] = {}  # admitted to the engine (loop thread)
+        self._waiting: list[Request] = []  # a heap: the most urgent first (loop thread)
+        self._first_pending: set[Request] = set()  # admitted, no output yet (loop thread)
+        self._requests: dict[str, Request] = {}  # every request being generated (loop thread)
+
+    # -- to implement -----------------------------------------------------------------------------
+    async def _pump(self, req: Request, prompt: str | list[int], out: queue.Queue) -> None:
+        raise NotImplementedError
+
+    async def _engine_abort(self, engine_id: str) -> None:
+        raise NotImplementedError
+
+    # -- the interface the worker uses -----------------------------------------------------------
+    def generate(self, request_id: str, prompt: str | list[int], params: GenParams) -> Iterator[Delta]:
+        """Stream one request's output; it is submitted on the first next()."""
+        out: queue.Queue[Delta | BaseException] = queue.Queue()
+        future = asyncio.run_coroutine_threadsafe(self._run(request_id, prompt, params, out), self._loop)
+        try:
+            while True:
+                item = out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            # Consumer gone early (closed, GeneratorExit, error): cancelling the
+            # task makes the engine abort the request.
+            future.cancel()
+
+    async def _run(self, request_id: str, prompt: str | list[int], params: GenParams, out: queue.Queue) -> None:
+        self._pumps.add(asyncio.current_task())
+        req = Request(request_id, params)
+        try:
+            await self._pump(req, prompt, out)
+        except asyncio.CancelledError:
+            out.put(RuntimeError(f"request {request_id} cancelled"))
+            raise
+        except BaseException as e:
+            out.put(e)
+            raise
+        finally:
+            self._requests.pop(request_id, None)
+            self._release(req)
+            self._pumps.discard(asyncio.current_task())
+
+    def abort(self, request_id: str) -> None:
+        # Ends the request with a final "abort" Delta to its consumer.
+        asyncio.run_coroutine_threadsafe(self._abort(request_id), self._loop).result()
+
+    def running(self) -> int:
+        return len(self._pumps)
+
+    # -- the gate (loop thread) ---------------------------------------------------------------------
+    async def _admit(self, req: Request) -> None:
+        """Return once ``req`` holds an engine slot (or is cancelled), pausing a less urgent
+        request if the batch is full."""
+        if req.cancelled:
+            return
+        if not self._held_back(req):
+            if len(self._active) < self._max_seqs:
+                self._seat(req)
+                await self._clear_first_step(req)
+                return
+            victims = [r for r in self._active.values() if r.pausable_for(req)]
+            if victims:
+                await self._pause(max(victims))  # the least urgent, and of those the latest
+                self._seat(req)
+                await self._clear_first_step(req)
+                return
+        req.slot = self._loop.create_future()
+        heapq.heappush(self._waiting, req)
+        try:
+            await req.slot
+        finally:
+            req.slot = None
+        if not req.cancelled:
+            await self._clear_first_step(req)
+
+    def _started(self, req: Request) -> None:
+        """``req`` has its first output: what it held back may start now."""
+        if req in self._first_pending:
+            self._first_pending.discard(req)
+            self._fill()
+
+    def _held_back(self, req: Request) -> bool:
+        return any(req.yields_to(p) for p in self._first_pending)
+
+    def _seat(self, req: Request) -> None:
+        self._active[req.request_id] = req
+        if not req.output_ids:
+            self._first_pending.add(req)
+
+    async def _clear_first_step(self, req: Request) -> None:
+        """Pause the less urgent requests that have not started: their prefill would share
+        ``req``'s first step."""
+        if req in self._first_pending:
+            for victim in [r for r in self._active.values() if r.pausable_for(req) and not r.output_ids]:
+                await self._pause(victim)
+
+    async def _pause(self, victim: Request) -> None:
+        victim.paused = True  # its pump sees the abort and comes back to _admit
+        del self._active[victim.request_id]
+        self._first_pending.discard(victim)
+        await self._engine_abort(victim.engine_id)
+
+    def _release(self, req: Request) -> None:
+        self._first_pending.discard(req)
+        if self._active.pop(req.request_id, None) is None and req in self._waiting:
+            self._waiting.remove(req)
+            heapq.heapify(self._waiting)
+        self._fill()
+
+    def _fill(self) -> None:
+        # The heap is the most urgent first: once its head is held back, so is everything after it.
+        while self._waiting and len(self._active) < self._max_seqs and not self._held_back(self._waiting[0]):
+            nxt = heapq.heappop(self._waiting)
+            self._seat(nxt)
+            nxt.slot.set_result(None)
+
+    async def _abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        req.cancelled = True
+        if req.slot is not None:  # waiting for admission: give up waiting
+            self._waiting.remove(req)
+            heapq.heapify(self._waiting)
+            req.slot.set_result(None)
+        elif request_id in self._active:
+            await self._engine_abort(req.engine_id)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    async def _cancel_pumps(self) -> None:
+        pumps = list(self._pumps)
+        for task in pumps:
+            task.cancel()  # consumers get an error instead of waiting forever
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+    def _stop_loop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()

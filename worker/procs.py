@@ -1,0 +1,107 @@
+"""Engine processes on this host, found without importing an engine: a killed worker's leftover
+vLLM processes (ended at boot), and CPU pinning of this process's threads."""
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+
+# Inherited by the spawned EngineCore process, so a restarted worker can find
+# the engine its SIGKILLed predecessor left behind (see kill_stale_engines).
+ENGINE_TAG_ENV = "LMSP_ENGINE_TAG"
+# The same for the database a worker serves: two deployments on one host (two `lmsp dev`, say) may
+# reuse a worker id, and must never end each other's engines.
+DEPLOYMENT_ENV = "LMSP_ENGINE_DEPLOYMENT"
+
+
+def vllm_process_prefix() -> str:
+    # What vllm.envs.VLLM_PROCESS_NAME_PREFIX reads, without importing vLLM (seconds, hundreds of MiB).
+    return os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM")
+
+
+def mark_deployment(database_url: str) -> None:
+    os.environ[DEPLOYMENT_ENV] = hashlib.sha256(database_url.encode()).hexdigest()[:16]
+
+
+def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
+    """SIGKILL the vLLM processes (EngineCore and its Worker) carrying ``tag`` (and this process's
+    deployment, once ``mark_deployment`` ran).
+
+    A SIGKILLed worker leaves its engine running (on a GPU, holding the card's
+    memory); call this at boot, before start(), with the worker's stable id as
+    the tag. Our own descendants are spared. Returns the pids killed.
+    """
+    markers = {f"{ENGINE_TAG_ENV}={tag}".encode()}
+    if DEPLOYMENT_ENV in os.environ:
+        markers.add(f"{DEPLOYMENT_ENV}={os.environ[DEPLOYMENT_ENV]}".encode())
+    title = f"{vllm_process_prefix()}::".encode()
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        pid = int(proc.name)
+        try:
+            if not (proc / "cmdline").read_bytes().startswith(title):
+                continue
+            if not markers <= set((proc / "environ").read_bytes().split(b"\0")):
+                continue
+            if _descends_from_us(pid):
+                continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            continue  # exited meanwhile, or not ours to read or kill
+        killed.append(pid)
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in killed):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stale engine processes did not exit: {killed}")
+        time.sleep(0.1)
+    return killed
+
+
+def _stat(pid: int) -> list[str]:
+    # Fields after "(comm)", which may itself contain spaces: [state, ppid, ...].
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _pin_process(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                parents[int(proc.name)] = int(_stat(int(proc.name))[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        kids = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _descends_from_us(pid: int) -> bool:
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        pid = int(_stat(pid)[1])
+    return False
+
+
+def _alive(pid: int) -> bool:
+    # A killed orphan may stay a zombie until its new parent reaps it; a
+    # zombie holds no memory, so it counts as gone.
+    try:
+        return _stat(pid)[0] != "Z"
+    except OSError:
+        return False
