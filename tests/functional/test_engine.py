@@ -1,5 +1,7 @@
-"""worker/engine.py's admission gate on the real engine: a person's request never waits for a
-batch slot held by background work, and the background request it pauses loses nothing."""
+"""The engine contract, run against vLLM and the simulated engine alike (worker/gate.py's admission
+gate in front of each): a person's request never waits for a batch slot held by background work, the
+background request it pauses loses nothing, an abort ends a request at once, and max tokens is exact.
+The vLLM engine is loaded once for the module (~40 s); the simulated one costs ~1 s."""
 
 import threading
 import time
@@ -13,29 +15,41 @@ pytestmark = pytest.mark.skipif(not (CHECKPOINT / "config.json").exists(), reaso
 
 BACKGROUND, INTERACTIVE = 6, 0
 TOKENS = 48
+ENGINES = {
+    "vllm": {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 2},
+    # Slow enough that a background request of TOKENS is still running when a person arrives.
+    "sim": {"kind": "sim", "max_num_seqs": 2, "ttft_ms": 40, "tokens_per_s": 60, "tick_ms": 10},
+}
 
 
-@pytest.fixture(scope="module")
-def host():
-    from worker.engine import EngineHost
-    spec = ModelSpec(**model_entry("gate", engine={"dtype": "float32", "max_model_len": 512, "max_num_seqs": 2}))
-    h = EngineHost(spec.checkpoint, resolve_engine(spec, detect_machine()))
+@pytest.fixture(scope="module", params=list(ENGINES))
+def host(request):
+    spec = ModelSpec(**model_entry("gate", engine=ENGINES[request.param]))
+    if spec.engine_kind == "sim":
+        from worker.sim import SimEngine as Host
+    else:
+        from worker.engine import EngineHost as Host
+    h = Host(spec.checkpoint, resolve_engine(spec, detect_machine()))
     h.start()
     yield h
     h.shutdown()
 
 
-def run(host, rid, prompt, priority, out, tokens=TOKENS):
-    from worker.engine import GenParams
-    text, first = "", None
+def run(host, rid, prompt, priority, out, tokens=TOKENS, on_delta=None):
+    from worker.gate import GenParams
+    text, first, tokens_seen = "", None, 0
     start = time.monotonic()
     for delta in host.generate(rid, prompt, GenParams(max_tokens=tokens, temperature=0, priority=priority,
                                                        ignore_eos=True)):
         if delta.token_ids and first is None:
             first = time.monotonic() - start
+        tokens_seen += delta.token_ids
         text += delta.text
         final = delta
-    out[rid] = {"text": text, "first": first, "first_at": start + first if first is not None else None,
+        if on_delta is not None:
+            on_delta(delta)
+    out[rid] = {"text": text, "tokens": tokens_seen, "first": first,
+                "first_at": start + first if first is not None else None,
                 "end": time.monotonic(), "finish": final.finish_reason, "prompt_tokens": final.prompt_tokens}
 
 
@@ -104,3 +118,33 @@ def test_first_token_step_carries_no_background_prefill(host):
     # ... and loses nothing by it.
     assert got["lakes"]["finish"] == "length"
     assert got["lakes"]["prompt_tokens"] == alone["lakes-alone"]["prompt_tokens"]
+
+
+PROMPT = "<|im_start|>user\nWrite about the sea.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_max_tokens_is_exact(host):
+    got: dict = {}
+    for n in (1, 7):
+        run(host, f"max-{n}", PROMPT, BACKGROUND, got, tokens=n)
+        assert got[f"max-{n}"]["tokens"] == n and got[f"max-{n}"]["finish"] == "length"
+    # The text is what the tokenizer counts as that many tokens (a resume counts its snapshot so).
+    assert len(host.tokenizer().encode(got["max-7"]["text"])) == 7
+
+
+def test_abort_while_generating_ends_it_at_once(host):
+    got: dict = {}
+    started = threading.Event()
+    t = threading.Thread(target=run, args=(host, "long", PROMPT, BACKGROUND, got, 400),
+                         kwargs={"on_delta": lambda d: d.token_ids and started.set()})
+    t.start()
+    assert started.wait(60)
+    aborted_at = time.monotonic()
+    host.abort("long")
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert got["long"]["finish"] == "abort"
+    assert 0 < got["long"]["tokens"] < 400
+    assert got["long"]["end"] - aborted_at < 2
+    while host.running():  # its slot is free again
+        time.sleep(0.01)
