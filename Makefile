@@ -11,7 +11,7 @@ EXTRA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu
 EXTRAS  ?= $(EXTRA),dev
 EDITABLE ?= -e
 
-.PHONY: install model run test bench lint clean browser
+.PHONY: install model run test bench fleet lint clean browser
 
 install: $(STAMP)
 
@@ -56,6 +56,11 @@ browser:
 
 bench: model
 	$(BIN)/python -m tests.bench
+
+# Simulated GPUs (engine: sim) against the local Postgres and Redis, N = 4, 8, 16, ... until this machine
+# saturates; LMSP_FLEET_SECONDS (900) bounds it, LMSP_FLEET_OUT (fleet-results.json) gets the figures.
+fleet: model
+	$(BIN)/python -m tests.bench.fleet
 
 lint: install
 	$(BIN)/ruff check api worker common migrations tests lmsp

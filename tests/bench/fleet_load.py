@@ -31,6 +31,7 @@ from tests.harness import Stack, api_argv, free_port, model_entry
 # A GPU as the issue describes one: 64 streams a batch at 40 tokens/s each.
 SIM_ENGINE = {"kind": "sim", "max_num_seqs": 64, "ttft_ms": 150, "tokens_per_s": 40, "tick_ms": 50}
 FINAL_EVENTS = set(FINAL)
+OPEN = {"followers": 0}  # follower connections open now (the loop thread's count)
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -167,7 +168,13 @@ class Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
-        self.run(self.http.close())
+        async def shut():
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:  # clients still running (a run cut short): close their connections
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            await self.http.close()
+        self.run(shut())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -204,6 +211,7 @@ class Followed:
     mode: str  # "sse" or "ws"
     events: list[tuple[int, str, float]] = field(default_factory=list)
     connects: int = 0
+    refused: int = 0  # connections answered 429 (stream caps), then tried again
     first_at: float | None = None  # receive time of its first event
     started_at: float = 0.0
     error: str | None = None
@@ -249,24 +257,33 @@ async def _sse(http, base, token, task_id, rec: Followed) -> None:
     async with http.get(f"{base}/lmsp/v1/tasks/{task_id}/events", params={"after": str(rec.last)},
                         headers=auth(token)) as r:
         if r.status == 429:
+            rec.refused += 1
             await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
             return
         if r.status != 200:
             raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=await r.text())
-        buf = b""
-        async for chunk in r.content.iter_any():
-            t = time.time()
-            buf += chunk
-            *blocks, buf = buf.split(b"\n\n")
-            for block in blocks:
-                seq = name = None
-                for line in block.split(b"\n"):
-                    if line.startswith(b"id: "):
-                        seq = int(line[4:])
-                    elif line.startswith(b"event: "):
-                        name = line[7:].decode()
-                if name is not None:
-                    _record(rec, seq, name, t)
+        OPEN["followers"] += 1
+        try:
+            await _read_sse(r, lambda seq, name, t: _record(rec, seq, name, t))
+        finally:
+            OPEN["followers"] -= 1
+
+
+async def _read_sse(r, on_event) -> None:
+    buf = b""
+    async for chunk in r.content.iter_any():
+        t = time.time()
+        buf += chunk
+        *blocks, buf = buf.split(b"\n\n")
+        for block in blocks:
+            seq = name = None
+            for line in block.split(b"\n"):
+                if line.startswith(b"id: "):
+                    seq = int(line[4:])
+                elif line.startswith(b"event: "):
+                    name = line[7:].decode()
+            if name is not None:
+                on_event(seq, name, t)
 
 
 async def _ws(http, base, token, task_id, rec: Followed) -> None:
@@ -275,16 +292,48 @@ async def _ws(http, base, token, task_id, rec: Followed) -> None:
         ws = await http.ws_connect(url, headers=auth(token), autoping=True)
     except aiohttp.WSServerHandshakeError as exc:
         if exc.status == 429:
+            rec.refused += 1
             await asyncio.sleep(1)
             return
         raise
-    async with ws:
-        async for msg in ws:
-            if msg.type == aiohttp.WSMsgType.TEXT:
-                frame = json.loads(msg.data)
-                _record(rec, frame["id"], frame["event"], time.time())
-            elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
-                break
+    OPEN["followers"] += 1
+    try:
+        async with ws:
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    frame = json.loads(msg.data)
+                    _record(rec, frame["id"], frame["event"], time.time())
+                elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                    break
+    finally:
+        OPEN["followers"] -= 1
+
+
+async def direct_stream(http, base: str, token: str, model: str, max_tokens: int) -> str | None:
+    """A streaming POST /responses read to its end; the final event's name (None: no final event)."""
+    body = {"model": model, "input": [{"type": "message", "role": "user", "content": "a direct question"}],
+            "max_output_tokens": max_tokens, "stream": True}
+    names: list[str] = []
+    async with http.post(base + "/lmsp/v1/responses", json=body, headers=auth(token)) as r:
+        if r.status != 200:
+            return f"HTTP {r.status}"
+        await _read_sse(r, lambda seq, name, t: names.append(name))
+    return next((n for n in reversed(names) if n in FINAL_EVENTS), None)
+
+
+async def long_poll(http, base: str, token: str, task_id: str, deadline: float = 600) -> str:
+    """Wait for a task's end as the API asks a waiting client to: GET ?wait=30 with If-None-Match."""
+    tag, status, end = None, "queued", time.monotonic() + deadline
+    while status not in ("succeeded", "failed", "cancelled") and time.monotonic() < end:
+        async with http.get(f"{base}/lmsp/v1/tasks/{task_id}", params={"wait": "30"},
+                            headers={**auth(token), **({"If-None-Match": tag} if tag else {})}) as r:
+            if r.status == 304:
+                continue
+            if r.status != 200:
+                await asyncio.sleep(1)
+                continue
+            status, tag = (await r.json())["status"], r.headers.get("ETag")
+    return status
 
 
 # -- the check against the log ---------------------------------------------------------------------------
