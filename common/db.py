@@ -17,7 +17,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql.expression import FunctionElement
 
-from common.settings import ConfigError
+from common.settings import ConfigError, get_settings
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -79,8 +79,9 @@ def _make_engine(url: str, **kwargs) -> Engine:
     if "poolclass" not in kwargs:
         # Bounded: requests wait up to pool_timeout for a connection rather than exhaust Postgres'
         # max_connections when hundreds of followers are open (they hold one only while reading).
-        kwargs.setdefault("pool_size", 10)
-        kwargs.setdefault("max_overflow", 20)
+        settings = get_settings()
+        kwargs.setdefault("pool_size", settings.db_pool_size)
+        kwargs.setdefault("max_overflow", settings.db_max_overflow)
         kwargs.setdefault("pool_timeout", 30)
     return create_engine(url, pool_pre_ping=True, **kwargs)
 

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     redis_url: str = ""               # empty: no Redis (events are polled from the log)
     models_file: Path | None = None   # default: home/models.yaml
     worker_id: str = ""               # default: hostname:model
+    # Postgres connections per process: a pool, plus overflow while it is all in use. Every worker and
+    # api process holds its own, so a fleet needs sum(pool + overflow) within max_connections (or a pooler).
+    db_pool_size: Count = 10
+    db_max_overflow: int = Field(20, ge=0)
     # Retention (spec 11.2).
     event_retention_seconds: int = 24 * 3600
     record_retention_seconds: int = 30 * 24 * 3600

@@ -28,6 +28,14 @@ from common.events import FINAL
 from tests.bench.util import descendants
 from tests.harness import Stack, api_argv, free_port, model_entry
 
+
+# Postgres connections (pool + overflow) of one process: dozens of processes share a max_connections
+# that, on a shared test machine, other people's databases use too.
+def pool_env(connections: int) -> dict[str, str]:
+    pool = max(1, connections // 2)
+    return {"LMSP_DB_POOL_SIZE": str(pool), "LMSP_DB_MAX_OVERFLOW": str(max(0, connections - pool))}
+
+
 # A GPU as the issue describes one: 64 streams a batch at 40 tokens/s each.
 SIM_ENGINE = {"kind": "sim", "max_num_seqs": 64, "ttft_ms": 150, "tokens_per_s": 40, "tick_ms": 50}
 FINAL_EVENTS = set(FINAL)
@@ -46,6 +54,7 @@ class Fleet:
                         context_window=200_000, queue_depth=10**7), *(extra_models or [])])
         self.stack.env.update(env or {})
         self.stack.env["LMSP_WORKER_METRICS_PORT"] = "0"  # dozens of workers: no port each
+        self.worker_env: dict[str, str] = {}  # e.g. a smaller Postgres pool than the api's
         self.workers: dict[str, subprocess.Popen] = {}
         self.apis: list[tuple[str, subprocess.Popen]] = []
 
@@ -59,7 +68,7 @@ class Fleet:
     def spawn_workers(self, ids: list[str]) -> None:
         for wid in ids:
             self.workers[wid] = self.stack.spawn([sys.executable, "-m", "worker", "--model", self.model],
-                                                 f"worker-{wid}.log", LMSP_WORKER_ID=wid)
+                                                 f"worker-{wid}.log", LMSP_WORKER_ID=wid, **self.worker_env)
 
     def wait_workers(self, ids: list[str], timeout: float = 300) -> None:
         pending = {wid: self.workers[wid] for wid in ids}
@@ -100,11 +109,12 @@ class Fleet:
         """The gunicorn workers (not their masters): where requests and followers are served."""
         return [pid for _, proc in self.apis for pid in descendants(proc.pid)]
 
-    def close(self, timeout: float = 30) -> None:
-        """SIGTERM every process at once (dozens stopping one after another would take minutes)."""
+    def close(self, timeout: float = 30, graceful: bool = True) -> None:
+        """SIGTERM every process at once (dozens stopping one after another would take minutes);
+        not ``graceful``: SIGKILL (a test's database whose tasks have all ended)."""
         procs = [p for p in self.stack.procs if p.poll() is None]
         for proc in procs:
-            _signal(proc, signal.SIGTERM)
+            _signal(proc, signal.SIGTERM if graceful else signal.SIGKILL)
         deadline = time.monotonic() + timeout
         for proc in procs:
             try:
