@@ -9,7 +9,8 @@ What it simulates, per model entry (``engine: {kind: sim, ...}``):
 * ``tokens_per_s`` (40): decode rate of each stream, whatever the batch size (a GPU's batch);
 * ``max_num_seqs`` (64): batch capacity; the gate pauses background work for a person's request;
 * ``tick_ms`` (50): how often the batch advances; each stream gets every token due by then in one
-  Delta (a GPU step per token would cost a Python wake-up per token, the very cost to avoid);
+  Delta (a GPU step per token would cost a Python wake-up per token, the very cost to avoid). The
+  first token of a stream is not held back to a tick;
 * ``stop_after`` (none): ``[lo, hi]``: a request ends by itself ("stop") after a number of tokens in
   that range, fixed by its prompt; otherwise it runs to its ``max_tokens`` ("length").
 
@@ -140,12 +141,27 @@ class SimEngine(GatedHost):
 
     # -- the batch ----------------------------------------------------------------------------------
     async def _tick_forever(self) -> None:
+        next_tick = 0.0
         while True:
             if not self._streams:
                 self._wake.clear()
                 await self._wake.wait()
-            await asyncio.sleep(self.tick)
-            self._step(time.monotonic())
+                next_tick = time.monotonic() + self.tick
+            # The batch advances every tick, and a first token is never late by a tick (time to first
+            # token is what a person notices); a stream admitted meanwhile wakes this to look again.
+            now = time.monotonic()
+            due = min([next_tick, *(s.t0 for s in self._streams.values() if len(s.req.output_ids) == s.base)])
+            if due > now:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), due - now)
+                    continue
+                except TimeoutError:
+                    pass
+            now = time.monotonic()
+            self._step(now)
+            if now >= next_tick:
+                next_tick = max(next_tick + self.tick, now)
 
     def _step(self, now: float) -> None:
         for engine_id, s in list(self._streams.items()):
@@ -202,6 +218,7 @@ class SimEngine(GatedHost):
         await self._cancel_pumps()
         if self._ticker is not None:
             self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
 
 
 def _chain(tok) -> list[str]:

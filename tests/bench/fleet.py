@@ -19,7 +19,9 @@ serves, so every claim runs beside them; two probes measure one api process hold
 
 Knobs: ``LMSP_FLEET_SECONDS`` (900) bounds the whole run; ``LMSP_FLEET_OUT`` (fleet-results.json);
 ``LMSP_FLEET_APIS`` (2) api processes of ``LMSP_FLEET_API_THREADS`` (1024) threads each;
-``LMSP_FLEET_STEPS`` (4,8,16,32,64,128). CPU is read from /proc for this machine's processes: the
+``LMSP_FLEET_STEPS`` (4,8,16,32,64,128); ``LMSP_FLEET_PG_CONNECTIONS`` (40): what the fleet's processes
+may hold of Postgres' max_connections, which ends the steps early where it is shared (raise it on a
+machine of its own: 32 workers need ~80). CPU is read from /proc for this machine's processes: the
 Postgres backends of the run's database, and the whole Redis server (shared: an upper bound).
 """
 
@@ -49,6 +51,7 @@ from tests.bench.fleet_load import (
     dsn,
     follow,
     long_poll,
+    pool_env,
     post_task,
     read_log,
     rss_kib,
@@ -66,6 +69,10 @@ BACKLOG = int(os.environ.get("LMSP_FLEET_BACKLOG", str(min(10_000, int(SECONDS *
 HOLD = int(os.environ.get("LMSP_FLEET_HOLD", "10000"))
 STORM = 1000
 FANOUT = int(os.environ.get("LMSP_FLEET_FANOUT", "200"))
+# Postgres connections the whole fleet may hold: the local server's max_connections is shared (with other
+# databases, on a test machine). Each worker gets 2 (pool 1 + overflow 1), each api process 6.
+PG_CONNECTIONS = int(os.environ.get("LMSP_FLEET_PG_CONNECTIONS", "40"))
+WORKER_CONNECTIONS, API_CONNECTIONS, BENCH_CONNECTIONS = 2, 6, 4
 
 SLOTS, RATE, TTFT = SIM_ENGINE["max_num_seqs"], SIM_ENGINE["tokens_per_s"], SIM_ENGINE["ttft_ms"] / 1000
 TASK_TOKENS = 200                     # 5 s of generation at 40 tokens/s
@@ -345,11 +352,15 @@ def figures_of(n: int, a: dict, b: dict) -> dict:
         reasons.append(f"the client offered {a['tasks_per_s_offered']:.0f} of {a['tasks_per_s_target']:.0f} tasks/s")
     if a["queued_at_end"] > 0.05 * a["tasks_per_s_target"] * a["seconds"]:
         reasons.append(f"{a['queued_at_end']} tasks still queued")
-    if (s["claim_ms"][1] or 0) > 1000:
+    if s["tokens_per_s"] < 0.85 * LOAD * n * SLOTS * RATE:
+        reasons.append(f"{s['tokens_per_s']:.0f} of {LOAD * n * SLOTS * RATE:.0f} tokens/s offered")
+    # Latency alone ends the steps only when the service has stopped serving in any useful sense: on a
+    # shared machine p99s of seconds come from other people's load as much as from the fleet.
+    if (s["claim_ms"][1] or 0) > 10_000:
         reasons.append(f"claim p99 {s['claim_ms'][1]} ms")
-    if (s["lag_ms"][1] or 0) > 2000:
+    if (s["lag_ms"][1] or 0) > 10_000:
         reasons.append(f"lag p99 {s['lag_ms'][1]} ms")
-    if (s["post_p99_ms"] or 0) > 1000:
+    if (s["post_p99_ms"] or 0) > 10_000:
         reasons.append(f"POST /tasks p99 {s['post_p99_ms']} ms")
     s["saturated"] = "; ".join(reasons) or None
     return s
@@ -543,7 +554,7 @@ def main() -> None:
     db_url = create_database("lmsp_fleet")
     db_name = db_url.rsplit("/", 1)[1]
     table, steps, meta = Table(), [], {"logs": str(tmp), "seconds": SECONDS, "apis": APIS, "api_threads": API_THREADS,
-                                       "sim_engine": SIM_ENGINE, "backlog": BACKLOG}
+                                       "sim_engine": SIM_ENGINE, "backlog": BACKLOG, "pg_connections": PG_CONNECTIONS}
     fleet = loop = None
     hold = storm = None
     partitioned = False
@@ -553,8 +564,9 @@ def main() -> None:
         partitioned = events_partitioned(db_url)
         fleet = Fleet(tmp, db_url, model, env={**PRODUCTION_ENV, **LIMITS_ENV},
                       extra_models=[model_entry(parked, engine=SIM_ENGINE, queue_depth=10**7)])
+        fleet.worker_env = pool_env(WORKER_CONNECTIONS)
         fleet.spawn_workers([f"fleet-{i}" for i in range(STEPS[0])])
-        bases = fleet.start_apis(APIS, API_THREADS)
+        bases = fleet.start_apis(APIS, API_THREADS, **pool_env(API_CONNECTIONS))
         token = fleet.stack.token("fleet")
         fleet.wait_workers(list(fleet.workers), 600)
         loop = Loop()
@@ -570,6 +582,11 @@ def main() -> None:
             storm = storm_probe(run)
             log(f"storm: {storm}")
         for n in STEPS:
+            if n * WORKER_CONNECTIONS + APIS * API_CONNECTIONS + BENCH_CONNECTIONS > PG_CONNECTIONS:
+                meta["stopped"] = (f"Postgres connections: N={n} needs more than LMSP_FLEET_PG_CONNECTIONS="
+                                   f"{PG_CONNECTIONS}")
+                log(meta["stopped"])
+                break
             need = step_seconds + 60 + 3 * max(0, n - len(fleet.workers))  # the phases, their tails, boots
             if time.monotonic() + need > deadline:
                 log(f"step N={n}: skipped, {deadline - time.monotonic():.0f}s left")

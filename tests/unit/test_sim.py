@@ -53,13 +53,12 @@ def test_engine_sim_in_models_yaml():
 def test_time_to_first_token_decode_rate_and_batch_capacity():
     host = make(max_num_seqs=2, ttft_ms=200, tokens_per_s=50, tick_ms=10)
     try:
-        times: dict = {}
+        stamps: dict = {}
 
         def one(rid):
             start = time.monotonic()
-            stamps = [time.monotonic() - start for d in host.generate(rid, PROMPT, GenParams(max_tokens=25))
-                      for _ in range(d.token_ids)]
-            times[rid] = stamps
+            stamps[rid] = [start] + [time.monotonic() for d in host.generate(rid, PROMPT, GenParams(max_tokens=25))
+                                     for _ in range(d.token_ids)]
 
         threads = [threading.Thread(target=one, args=(f"r{i}",)) for i in range(3)]
         for t in threads:
@@ -67,12 +66,13 @@ def test_time_to_first_token_decode_rate_and_batch_capacity():
             time.sleep(0.02)  # arrival order: r0, r1 take the batch, r2 waits
         for t in threads:
             t.join()
+        # Lower bounds are exact (nothing is early); upper bounds leave room for a busy machine.
         for rid in ("r0", "r1"):
-            first, last = times[rid][0], times[rid][-1]
-            assert 0.2 <= first < 0.35
-            assert 24 / 50 * 0.9 <= last - first < 24 / 50 + 0.2  # 50 tokens/s per stream
-        # The third (arrived 40 ms after the first) had no slot until one of the first two ended, then its own prefill.
-        assert times["r2"][0] >= 0.2 + 24 / 50 + 0.2 - 0.05
+            start, first, last = stamps[rid][0], stamps[rid][1], stamps[rid][-1]
+            assert 0.2 <= first - start < 1.0
+            assert 24 / 50 <= last - first + 0.02 < 24 / 50 + 0.5  # 50 tokens/s per stream
+        # The third had no slot until one of the first two ended, then its own time to first token.
+        assert stamps["r2"][1] >= min(stamps["r0"][-1], stamps["r1"][-1]) + 0.2
     finally:
         host.shutdown()
 
