@@ -354,14 +354,8 @@ def figures_of(n: int, a: dict, b: dict) -> dict:
         reasons.append(f"{a['queued_at_end']} tasks still queued")
     if s["tokens_per_s"] < 0.85 * LOAD * n * SLOTS * RATE:
         reasons.append(f"{s['tokens_per_s']:.0f} of {LOAD * n * SLOTS * RATE:.0f} tokens/s offered")
-    # Latency alone ends the steps only when the service has stopped serving in any useful sense: on a
-    # shared machine p99s of seconds come from other people's load as much as from the fleet.
-    if (s["claim_ms"][1] or 0) > 10_000:
-        reasons.append(f"claim p99 {s['claim_ms'][1]} ms")
-    if (s["lag_ms"][1] or 0) > 10_000:
-        reasons.append(f"lag p99 {s['lag_ms'][1]} ms")
-    if (s["post_p99_ms"] or 0) > 10_000:
-        reasons.append(f"POST /tasks p99 {s['post_p99_ms']} ms")
+    # Latencies are figures, not the end of the steps: on a shared machine p99s of seconds come from other
+    # people's load (and from the connection budget) as much as from the fleet. Throughput is the test.
     s["saturated"] = "; ".join(reasons) or None
     return s
 
@@ -458,6 +452,8 @@ def sizing(s: dict) -> dict:
             "api_processes": max(1, round(api_core / CORE_PER_API_PROCESS + 0.5)),
             "worker_cpu_per_gpu_cores": round(GPU_TOKENS_PER_S * rows_per_token * c["worker"] / 1000, 2),
         }
+        # As measured: a Postgres pool of 2 a worker (a GPU) and 6 an api process; above a few hundred, a pooler.
+        out[gpus]["postgres_connections"] = gpus * WORKER_CONNECTIONS + out[gpus]["api_processes"] * API_CONNECTIONS
         walls = {"Postgres (16 cores)": out[gpus]["postgres_cores"] / 16,
                  "Redis (one core: single-threaded)": out[gpus]["redis_cores"] / 1,
                  "api (4 processes)": out[gpus]["api_processes"] / 4}
@@ -528,7 +524,8 @@ def render_sizing(best: dict) -> str:
     size = sizing(best)
     keys = [("event_rows_per_s", "event rows/s"), ("postgres_cores", "Postgres cores"),
             ("wal_gib_per_day", "WAL GiB/day"), ("redis_cores", "Redis cores"), ("api_processes", "api processes"),
-            ("worker_cpu_per_gpu_cores", "worker host CPU per GPU (cores)"), ("first_wall", "first wall")]
+            ("worker_cpu_per_gpu_cores", "worker host CPU per GPU (cores)"),
+            ("postgres_connections", "Postgres connections"), ("first_wall", "first wall")]
     lines = [f"sizing from N={best['workers']} (one follower per task):", "| | 100 GPUs | 1000 GPUs |", "|---|---|---|"]
     lines += [f"| {label} | {size[100][k]} | {size[1000][k]} |" for k, label in keys]
     return "\n".join(lines)
