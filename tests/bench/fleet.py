@@ -379,40 +379,35 @@ def print_step(s: dict) -> None:
 
 # -- probes: one api process holding followers, and a connect storm ------------------------------------------------
 def hold_probe(run: Run, seconds: float) -> dict:
-    """As many followers as one api process holds (up to HOLD), connected in waves of 500 to a few tasks."""
+    """How many followers one api process holds (up to HOLD), connected in waves of 500 to ten long tasks
+    until a wave adds next to nothing (refused by the stream caps, or not served); their RSS each."""
     base, proc = run.fleet.apis[0]
-    pid_of = descendants(proc.pid)
-    rss0, open0 = rss_kib(pid_of), OPEN["followers"]
+    pids = descendants(proc.pid)
+    rss0, open0 = rss_kib(pids), OPEN["followers"]
     tokens = int((seconds + 30) * RATE)
 
     async def go():
         docs = [(await post_task(run.loop.http, base, run.token, task_body(run.fleet.model, f"hold {k}", tokens)))[0]
                 for k in range(10)]
-        recs, futs = [], []
+        futs, held = [], 0
         deadline = time.monotonic() + seconds
-        held = 0
         while len(futs) < HOLD and time.monotonic() < deadline:
             for k in range(min(500, HOLD - len(futs))):
                 futs.append(asyncio.ensure_future(follow(run.loop.http, base, run.token, docs[k % 10]["id"],
                                                          ("sse", "ws")[k % 2], deadline=seconds + 60)))
             await asyncio.sleep(2.0)
             now_open = OPEN["followers"] - open0
-            if now_open <= held + 50:  # refused, or no faster than that: this is what it holds
+            if now_open <= held + 50:
                 held = max(held, now_open)
                 break
             held = now_open
-        t_all = time.time()
-        rss = rss_kib(pid_of)
-        await asyncio.sleep(5)  # lag once connected
+        rss = rss_kib(pids)
         for f in futs:
             f.cancel()
-        done = await asyncio.gather(*futs, return_exceptions=True)
-        recs = [r for r in done if not isinstance(r, BaseException)]
-        return held, rss, t_all, recs, [d["id"] for d in docs]
+        await asyncio.gather(*futs, return_exceptions=True)
+        return held, rss
 
-    held, rss, t_all, _recs, _ids = run.loop.run(go())
-    # The cancelled followers' records are lost with them; lag from a fresh sample of the connected ones is
-    # taken by the steps. Here: how many were held and their memory.
+    held, rss = run.loop.run(go())
     return {"held": held, "rss_per_follower_kib": round((rss - rss0) / max(1, held), 1), "api_processes": 1}
 
 
