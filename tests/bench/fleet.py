@@ -70,9 +70,10 @@ HOLD = int(os.environ.get("LMSP_FLEET_HOLD", "10000"))
 STORM = 1000
 FANOUT = int(os.environ.get("LMSP_FLEET_FANOUT", "200"))
 # Postgres connections the whole fleet may hold: the local server's max_connections is shared (with other
-# databases, on a test machine). Each worker gets 2 (pool 1 + overflow 1), each api process 6.
+# databases, on a test machine). Each worker gets 2 (pool 1 + overflow 1), each api process 8: followers
+# read the log through the api's pool, and an exhausted pool answers POST /tasks 503 after 30 s.
 PG_CONNECTIONS = int(os.environ.get("LMSP_FLEET_PG_CONNECTIONS", "40"))
-WORKER_CONNECTIONS, API_CONNECTIONS, BENCH_CONNECTIONS = 2, 6, 4
+WORKER_CONNECTIONS, API_CONNECTIONS, BENCH_CONNECTIONS = 2, 8, 4
 
 SLOTS, RATE, TTFT = SIM_ENGINE["max_num_seqs"], SIM_ENGINE["tokens_per_s"], SIM_ENGINE["ttft_ms"] / 1000
 TASK_TOKENS = 200                     # 5 s of generation at 40 tokens/s
@@ -322,8 +323,9 @@ def figures_of(n: int, a: dict, b: dict) -> dict:
         return None if not events else round(1000 * cpu / events, 4)
 
     rows_a, rows_b = a["rows"], b["rows"]
-    api_a_rate = a["cpu"]["api"] / a["cpu"]["seconds"]
-    api_follow = b["cpu"]["api"] - api_a_rate * b["cpu"]["seconds"]
+    # The api's work without followers scales with the events (tasks, polls, publishes): what phase B used
+    # beyond phase A's cost per event, per event delivered to a follower. Not positive: not measurable.
+    api_follow = b["cpu"]["api"] - (a["cpu"]["api"] / rows_a if rows_a else 0) * rows_b
     s = {
         "workers": n,
         "tokens_per_s": round(a["tokens"] / a["cpu"]["seconds"], 1),
@@ -336,7 +338,7 @@ def figures_of(n: int, a: dict, b: dict) -> dict:
         "cpu_s_per_1k_events": {
             "worker": per_k(a["cpu"]["worker"], rows_a), "postgres": per_k(a["cpu"]["postgres"], rows_a),
             "redis": per_k(a["cpu"]["redis"], rows_a), "api": per_k(a["cpu"]["api"], rows_a),
-            "api_per_follower": per_k(max(0.0, api_follow), b["delivered_in_window"]),
+            "api_per_follower": per_k(api_follow, b["delivered_in_window"]) if api_follow > 0 else None,
             "client": per_k(a["cpu"]["client"], rows_a)},
         "wal_bytes_per_event": round(a["wal_bytes"] / rows_a) if rows_a else None,
         "rss_per_follower_kib": (b.get("rss") or {}).get("per_follower_kib"),
@@ -447,7 +449,7 @@ def sizing(s: dict) -> dict:
             "api_processes": max(1, round(api_core / CORE_PER_API_PROCESS + 0.5)),
             "worker_cpu_per_gpu_cores": round(GPU_TOKENS_PER_S * rows_per_token * c["worker"] / 1000, 2),
         }
-        # As measured: a Postgres pool of 2 a worker (a GPU) and 6 an api process; above a few hundred, a pooler.
+        # As measured: a Postgres pool of 2 a worker (a GPU) and 8 an api process; above a few hundred, a pooler.
         out[gpus]["postgres_connections"] = gpus * WORKER_CONNECTIONS + out[gpus]["api_processes"] * API_CONNECTIONS
         walls = {"Postgres (16 cores)": out[gpus]["postgres_cores"] / 16,
                  "Redis (one core: single-threaded)": out[gpus]["redis_cores"] / 1,
