@@ -288,7 +288,7 @@ def run_phase(run: Run, workers: int, seconds: float, followers: bool) -> dict:
         delivered = sum(1 for f in everyone for _, _, t in f.events if a <= t < b)
         out.update({"followers_n": len(everyone), "follower_events": c.events, "delivered_in_window": delivered,
                     "lost": c.lost, "duplicated": c.duplicated, "out_of_order": c.out_of_order,
-                    "finals_wrong": c.finals_wrong, "unfinished": c.unfinished,
+                    "finals_wrong": c.finals_wrong, "unfinished": c.unfinished, "stream_errors": c.stream_errors,
                     "refused": sum(f.refused for f in everyone),
                     "lag_ms": [_ms(percentile(c.lags, q)) for q in (50, 99)], "rss": phase.rss,
                     "killed": phase.killed})
@@ -344,6 +344,7 @@ def figures_of(n: int, a: dict, b: dict) -> dict:
         "rss_per_follower_kib": (b.get("rss") or {}).get("per_follower_kib"),
         "lost": b["lost"], "duplicated": b["duplicated"], "out_of_order": b["out_of_order"],
         "finals_wrong": b["finals_wrong"], "unfinished": b["unfinished"], "refused": b["refused"],
+        "stream_errors": b.get("stream_errors"),
         "followers": b["followers_n"], "killed": b["killed"],
         "directs_ok": f"{a['directs_ok'] + b['directs_ok']}/{a['directs'] + b['directs']}",
         "long_polls_ok": f"{a['long_polls_ok'] + b['long_polls_ok']}/{a['long_polls'] + b['long_polls']}",
@@ -373,7 +374,8 @@ def print_step(s: dict) -> None:
         f"api {c['api']}, api per follower-event {c['api_per_follower']} (client {c['client']}); "
         f"WAL {s['wal_bytes_per_event']} B/event; RSS/follower {s['rss_per_follower_kib']} KiB",
         f"  lost {s['lost']}, duplicated {s['duplicated']}, out of order {s['out_of_order']}, wrong finals "
-        f"{s['finals_wrong']}, unfinished {s['unfinished']} (SIGKILL: {s['killed']}); 429s {s['refused']}"
+        f"{s['finals_wrong']}, unfinished {s['unfinished']} (SIGKILL: {s['killed']}); 429s {s['refused']}, "
+        f"streams ended by an error event and resumed {s['stream_errors']}"
         + (f"; SATURATED: {s['saturated']}" if s["saturated"] else ""),
     ]
     os.write(STDOUT_FD, ("\n".join(lines) + "\n").encode())

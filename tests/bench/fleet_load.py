@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import psycopg
 
-from common.events import FINAL
+from common.events import ERROR, FINAL
 from tests.bench.util import descendants
 from tests.harness import Stack, api_argv, free_port, model_entry
 
@@ -223,6 +223,7 @@ class Followed:
     events: list[tuple[int, str, float]] = field(default_factory=list)
     connects: int = 0
     refused: int = 0  # connections answered 429 (stream caps), then tried again
+    errors: int = 0   # streams the server ended with an `error` event (its id is the resume point), resumed
     first_at: float | None = None  # receive time of its first event
     started_at: float = 0.0
     error: str | None = None
@@ -259,6 +260,9 @@ async def follow(http, base: str, token: str, task_id: str, mode: str, drop_afte
 
 
 def _record(rec: Followed, seq: int, name: str, t: float) -> None:
+    if name == ERROR:  # not an event of the log: the stream ended, its id says where to resume
+        rec.errors += 1
+        return
     if rec.first_at is None:
         rec.first_at = t
     rec.events.append((seq, name, t))
@@ -357,6 +361,7 @@ class Check:
     out_of_order: int = 0  # received after a later one
     finals_wrong: int = 0  # followers without exactly one final event, or with events after it
     unfinished: int = 0   # followers that never got to the end
+    stream_errors: int = 0  # streams ended by an `error` event, then resumed
     lags: list[float] = field(default_factory=list)  # receive time - the event's created_at
 
     @property
@@ -389,6 +394,7 @@ def check(followed: list[Followed], log: dict[str, list[tuple[int, str, float]]]
         created = {seq: t for seq, _, t in logged}
         got = [seq for seq, _, _ in rec.events]
         c.events += len(got)
+        c.stream_errors += rec.errors
         c.duplicated += len(got) - len(set(got))
         c.out_of_order += sum(1 for a, b in zip(got, got[1:], strict=False) if b <= a)
         c.lost += len(set(created) - set(got))
