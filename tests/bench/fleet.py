@@ -510,7 +510,8 @@ def goals(table: Table, steps: list[dict], hold: dict | None, storm: dict | None
               "checked from the schema; the cost of a drop is not timed here")
     bad = sum(s["lost"] + s["duplicated"] + s["out_of_order"] + s["finals_wrong"] + s["unfinished"] for s in steps)
     table.add("F7", "lost / duplicated / out-of-order events, every step, SIGKILL included",
-              f"{bad} over {sum(s['followers'] for s in steps)} followers", "0", bool(steps) and bad == 0)
+              f"{bad} over {sum(s['followers'] for s in steps)} followers", "0", bool(steps) and bad == 0,
+              f"streams ended by an error event and resumed: {sum(s.get('stream_errors') or 0 for s in steps)}")
     if best:
         size = sizing(best)[100]
         table.add("F8", "sizing: 100 GPUs x 64 streams x 40 tok/s",
