@@ -140,14 +140,16 @@ def wal_lsn(db_url: str) -> int:
         return conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint").fetchone()[0]
 
 
-def db_counts(db_url: str, model: str, a: float, b: float, task_ids: list[str]) -> dict:
-    """Event rows written in [a, b); output tokens of the tasks accepted then (all finished by now)."""
+def db_counts(db_url: str, model: str, a: float, b: float) -> dict:
+    """Event rows written in [a, b), and the output tokens of the tasks that ended then: a fleet that falls
+    behind ends fewer tasks than it is given."""
     with psycopg.connect(dsn(db_url)) as conn:
         rows = conn.execute("SELECT count(*) FROM events WHERE created_at >= %s AND created_at < %s",
                             (a, b)).fetchone()[0]
         tokens = conn.execute(
             "SELECT coalesce(sum((r.usage->>'output_tokens')::bigint), 0) FROM tasks t "
-            "JOIN responses r ON r.id = t.response_id WHERE t.id = ANY(%s)", (task_ids,)).fetchone()[0]
+            "JOIN responses r ON r.id = t.response_id WHERE t.model = %s AND t.ended_at >= %s AND t.ended_at < %s",
+            (model, a, b)).fetchone()[0]
         queued = conn.execute("SELECT count(*) FROM tasks WHERE model = %s AND status = 'queued'",
                               (model,)).fetchone()[0]
     return {"rows": rows, "tokens": int(tokens), "queued_at_end": queued}
@@ -274,7 +276,11 @@ def run_phase(run: Run, workers: int, seconds: float, followers: bool) -> dict:
     a, b = phase.window
     log(f"  phase {'B' if followers else 'A'}: offered {phase.offered:.1f} tasks/s; waiting for its clients")
     run.loop.run(_wait(phase.tail), timeout=600)
-    counts = db_counts(run.db_url, run.fleet.model, a, b, phase.tasks)
+    # Rates from the steady state (the first task's length is the fleet filling up); costs per event over the
+    # whole phase, as the CPU was measured.
+    counts = db_counts(run.db_url, run.fleet.model, a + TASK_SECONDS, b)
+    counts["steady_seconds"] = b - a - TASK_SECONDS
+    counts["rows_all"] = db_counts(run.db_url, run.fleet.model, a, b)["rows"]
     out = {"followers": followers, "seconds": seconds, "tasks_per_s_target": phase.rate,
            "tasks_per_s_offered": phase.offered, "cpu": cpu, "wal_bytes": wal1 - wal0, **counts,
            "post_p99_ms": _ms(percentile(phase.post_seconds, 99)),
@@ -322,15 +328,15 @@ def figures_of(n: int, a: dict, b: dict) -> dict:
     def per_k(cpu: float, events: int):
         return None if not events else round(1000 * cpu / events, 4)
 
-    rows_a, rows_b = a["rows"], b["rows"]
+    rows_a, rows_b = a["rows_all"], b["rows_all"]
     # The api's work without followers scales with the events (tasks, polls, publishes): what phase B used
     # beyond phase A's cost per event, per event delivered to a follower. Not positive: not measurable.
     api_follow = b["cpu"]["api"] - (a["cpu"]["api"] / rows_a if rows_a else 0) * rows_b
     s = {
         "workers": n,
-        "tokens_per_s": round(a["tokens"] / a["cpu"]["seconds"], 1),
-        "rows_per_s": round(rows_a / a["cpu"]["seconds"], 1),
-        "rows_per_s_b": round(rows_b / b["cpu"]["seconds"], 1),
+        "tokens_per_s": round(a["tokens"] / a["steady_seconds"], 1),
+        "rows_per_s": round(a["rows"] / a["steady_seconds"], 1),
+        "rows_per_s_b": round(b["rows"] / b["steady_seconds"], 1),
         "follower_events_per_s": round(b["delivered_in_window"] / b["cpu"]["seconds"], 1),
         "lag_ms": b["lag_ms"],
         "claim_ms": a["claim_ms"],
