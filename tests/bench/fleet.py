@@ -70,10 +70,11 @@ HOLD = int(os.environ.get("LMSP_FLEET_HOLD", "10000"))
 STORM = 1000
 FANOUT = int(os.environ.get("LMSP_FLEET_FANOUT", "200"))
 # Postgres connections the whole fleet may hold: the local server's max_connections is shared (with other
-# databases, on a test machine). Each worker gets 2 (pool 1 + overflow 1), each api process 8: followers
+# databases, on a test machine). Each worker gets 2 (LMSP_FLEET_WORKER_CONNECTIONS), each api process 8: followers
 # read the log through the api's pool, and an exhausted pool answers POST /tasks 503 after 30 s.
 PG_CONNECTIONS = int(os.environ.get("LMSP_FLEET_PG_CONNECTIONS", "40"))
-WORKER_CONNECTIONS, API_CONNECTIONS, BENCH_CONNECTIONS = 2, 8, 4
+WORKER_CONNECTIONS = int(os.environ.get("LMSP_FLEET_WORKER_CONNECTIONS", "2"))
+API_CONNECTIONS, BENCH_CONNECTIONS = 8, 4
 
 SLOTS, RATE, TTFT = SIM_ENGINE["max_num_seqs"], SIM_ENGINE["tokens_per_s"], SIM_ENGINE["ttft_ms"] / 1000
 TASK_TOKENS = 200                     # 5 s of generation at 40 tokens/s
@@ -457,7 +458,7 @@ def sizing(s: dict) -> dict:
             "api_processes": max(1, round(api_core / CORE_PER_API_PROCESS + 0.5)),
             "worker_cpu_per_gpu_cores": round(GPU_TOKENS_PER_S * rows_per_token * c["worker"] / 1000, 2),
         }
-        # As measured: a Postgres pool of 2 a worker (a GPU) and 8 an api process; above a few hundred, a pooler.
+        # As measured: the workers' and api processes' pools; above a few hundred, a pooler.
         out[gpus]["postgres_connections"] = gpus * WORKER_CONNECTIONS + out[gpus]["api_processes"] * API_CONNECTIONS
         walls = {"Postgres (16 cores)": out[gpus]["postgres_cores"] / 16,
                  "Redis (one core: single-threaded)": out[gpus]["redis_cores"] / 1,
