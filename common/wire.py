@@ -219,53 +219,60 @@ class Readiness(Shape):
 
 
 # -- event payloads (spec 6.3): the JSON of an SSE `data:` line or a WebSocket frame's `data` ----------
-class ResponseCreated(Shape):
+class EventData(Shape):
+    """What every event's data carries first (common/events.py ``typed``), for clients such as the OpenAI
+    SDK that read an event's type from its data; LMSP clients ignore them."""
+    type: str = Field(description="The event's name, as in its `event:` line", examples=[events.CREATED])
+    sequence_number: int = Field(ge=1, description="The event's id")
+
+
+class ResponseCreated(EventData):
     response_id: str
     status: Literal["in_progress"]
 
 
-class OutputItemEvent(Shape):
+class OutputItemEvent(EventData):
     response_id: str
     output_index: Count
     item: OutputItem
 
 
-class TextDelta(Shape):
+class TextDelta(EventData):
     response_id: str
     output_index: Count
     item_id: str
     delta: str
 
 
-class Completed(Shape):
+class Completed(EventData):
     response_id: str
     status: Literal["completed"]
     usage: Usage
 
 
-class Incomplete(Shape):
+class Incomplete(EventData):
     response_id: str
     status: Literal["incomplete"]
     incomplete_details: IncompleteDetails
     usage: Usage
 
 
-class Failed(Shape):
+class Failed(EventData):
     response_id: str
     status: Literal["failed"]
     error: Problem
 
 
-class Cancelled(Shape):
+class Cancelled(EventData):
     response_id: str
     status: Literal["cancelled"]
 
 
-class ErrorEvent(Shape):
+class ErrorEvent(EventData):
     error: Problem
 
 
-class AttemptStarted(Shape):
+class AttemptStarted(EventData):
     """Extension event: a new attempt starts from scratch after a restart; a client discards what it
     built from the response's earlier events."""
     response_id: str
