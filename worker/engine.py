@@ -74,6 +74,7 @@ class Delta:
     token_ids: int  # number of new output tokens in this delta
     finish_reason: str | None  # None while running; "stop" / "length" / "abort" at the end
     prompt_tokens: int  # number of prompt tokens (same on every delta)
+    admitted_at: float | None = None  # when the request first got a slot in the batch (Unix seconds)
 
 
 class _Request:
@@ -90,6 +91,7 @@ class _Request:
         self.paused = False  # aborted by the gate, to be resubmitted
         self.cancelled = False  # EngineHost.abort: end it, whether admitted or waiting
         self.slot: asyncio.Future | None = None  # set while waiting for admission
+        self.admitted_at: float | None = None  # its first admission (the task's timeline)
 
     @property
     def engine_id(self) -> str:
@@ -217,6 +219,8 @@ class EngineHost:
             self._requests[request_id] = req
             while True:
                 await self._admit(req)
+                if req.admitted_at is None:
+                    req.admitted_at = time.time()
                 if req.cancelled:
                     out.put(Delta(text="", token_ids=0, finish_reason="abort", prompt_tokens=len(prompt_ids)))
                     return
@@ -245,6 +249,7 @@ class EngineHost:
                                 token_ids=len(c.token_ids),
                                 finish_reason=c.finish_reason,
                                 prompt_tokens=len(prompt_ids),
+                                admitted_at=req.admitted_at,
                             )
                         )
                         if c.finish_reason is not None:
