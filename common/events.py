@@ -19,6 +19,10 @@ ATTEMPT_STARTED = "response.attempt.started"
 FINAL = frozenset({COMPLETED, INCOMPLETE, FAILED, CANCELLED})
 # Exactly the type 6.3 names: Flask would append "; charset=utf-8" to a text/* mimetype (SSE is UTF-8 anyway).
 SSE_TYPE = "text/event-stream"
+# A comment line between events, without a blank line of its own: the OpenAI SDK keeps the last id
+# across a blank line (as the SSE spec says) and then dispatches the blank line as an event with no
+# data, which it cannot parse. A lone comment line joins the next event's block, where it is ignored.
+HEARTBEAT = ": keep-alive\n"
 
 
 def dumps(data: dict) -> str:
