@@ -1,14 +1,14 @@
 """task timeline: one row per attempt with when it was delivered, claimed, admitted, generated and finished
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 Create Date: 2027-01-10
 """
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
