@@ -49,7 +49,8 @@ def _schemas() -> dict:
 def _sse(description: str) -> dict:
     return {"schema": {"type": "string", "description": description},
             "x-lmsp-events": {name: ref(model.__name__) for name, model in wire.EVENTS.items()},
-            "example": 'id: 1\nevent: response.created\ndata: {"response_id":"resp_...","status":"in_progress"}\n\n'}
+            "example": 'id: 1\nevent: response.created\ndata: {"type":"response.created","sequence_number":1,'
+                       '"response_id":"resp_...","status":"in_progress"}\n\n'}
 
 
 # -- parameters, headers, responses -------------------------------------------------------------
@@ -229,7 +230,13 @@ def _paths() -> dict:
                         "request: the response object, or the problem it failed with; a finished stream's "
                         "replay is a stream again, its items each in one delta, ending with the same final "
                         "event. A request that ended without "
-                        "an outcome (its client went away) frees its key.",
+                        "an outcome (its client went away) frees its key.\n\n"
+                        "The OpenAI SDK's spellings are accepted too, and stored as LMSP's: `input` as a string "
+                        "(one user message), items as `{role, content}` without `type` (messages), "
+                        "`instructions` (a system message before the input) and `text.format` (another "
+                        "spelling of `response_format`, its json_schema with `name` and `schema` at the top; "
+                        "giving both is a 400 with param `text`). `background: true` is refused: create a "
+                        "task. Every event's data starts with `type` (its name) and `sequence_number` (its id).",
             params=["IdempotencyKey"], body="ResponseRequest")},
         f"{API}/responses/{{response_id}}": {"get": operation(
             "getResponse", "A response stored with store: true", "responses", "responses:read",

@@ -19,6 +19,10 @@ ATTEMPT_STARTED = "response.attempt.started"
 FINAL = frozenset({COMPLETED, INCOMPLETE, FAILED, CANCELLED})
 # Exactly the type 6.3 names: Flask would append "; charset=utf-8" to a text/* mimetype (SSE is UTF-8 anyway).
 SSE_TYPE = "text/event-stream"
+# A comment line between events, without a blank line of its own: the OpenAI SDK keeps the last id
+# across a blank line (as the SSE spec says) and then dispatches the blank line as an event with no
+# data, which it cannot parse. A lone comment line joins the next event's block, where it is ignored.
+HEARTBEAT = ": keep-alive\n"
 
 
 def dumps(data: dict) -> str:
@@ -56,18 +60,34 @@ def final(rid: str, status: str, *, usage=None, error=None, incomplete_details=N
     return CANCELLED, data
 
 
+_HEADS: dict[str, str] = {}
+
+
+def typed(seq: int | None, name: str, data_json: str) -> str:
+    """``data_json`` (an object's JSON text, as logged) with ``type`` (the event name) and
+    ``sequence_number`` (its id) first: the OpenAI SDK reads an event's type from its data, and other
+    clients ignore members they do not know. Spliced into the text, never parsed: every frame of every
+    follower passes here. Every frame the service sends is built through this function."""
+    head = _HEADS.get(name)
+    if head is None:
+        head = _HEADS[name] = '{"type":' + json.dumps(name) + ","
+    if seq is None:  # no id, no sequence number
+        return head[:-1] + ("}" if data_json == "{}" else "," + data_json[1:])
+    return f'{head}"sequence_number":{seq}' + ("}" if data_json == "{}" else "," + data_json[1:])
+
+
 def sse(seq: int | None, name: str, data_json: str) -> str:
     head = f"id: {seq}\n" if seq is not None else ""
-    return f"{head}event: {name}\ndata: {data_json}\n\n"
+    return f"{head}event: {name}\ndata: {typed(seq, name, data_json)}\n\n"
 
 
 def sse_many(batch: list[tuple[int, str, str]]) -> str:
     """``sse`` of every event of ``batch``, in one piece: a replay writes pages of thousands."""
-    return "".join([f"id: {seq}\nevent: {name}\ndata: {data}\n\n" for seq, name, data in batch])
+    return "".join([f"id: {seq}\nevent: {name}\ndata: {typed(seq, name, data)}\n\n" for seq, name, data in batch])
 
 
 def ws_frame(seq: int, name: str, data_json: str) -> str:
-    return f'{{"id":{seq},"event":{json.dumps(name)},"data":{data_json}}}'
+    return f'{{"id":{seq},"event":{json.dumps(name)},"data":{typed(seq, name, data_json)}}}'
 
 
 def of_response(obj: dict) -> list[tuple[str, dict]]:

@@ -13,11 +13,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictStr,
     StringConstraints,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from common.errors import LMSPError
@@ -93,8 +95,15 @@ class ReasoningItem(Strict):
     summary: list[SummaryPart] = []
 
 
+def _easy_message(value):
+    # The OpenAI SDK's shorthand {"role": ..., "content": ...} is a message item without its type.
+    if isinstance(value, dict) and "type" not in value and "role" in value:
+        return {"type": "message", **value}
+    return value
+
+
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-                      Field(discriminator="type")]
+                      Field(discriminator="type"), BeforeValidator(_easy_message)]
 
 
 class FunctionTool(Strict):
@@ -126,9 +135,26 @@ class JsonSchemaFormat(Strict):
     json_schema: JsonSchemaSpec
 
 
+class FlatJsonSchemaFormat(Strict):
+    """``text.format`` json_schema as the OpenAI Responses API spells it: name and schema at its top."""
+    type: Literal["json_schema"]
+    name: Name
+    schema_: JsonSchema = Field(alias="schema")
+    description: str | None = None
+    strict: StrictBool | None = None
+
+
+class TextConfig(Strict):
+    format: Annotated[TextFormat | FlatJsonSchemaFormat, Field(discriminator="type")] | None = None
+
+
 class ResponseRequest(Strict):
+    """Other spellings (the OpenAI SDK's) are folded into LMSP's when parsed, so what is stored, and
+    what a worker reads, is LMSP's only: a string ``input`` (one user message), ``instructions`` (a
+    system message first), ``text.format`` (``response_format``)."""
     model: str = Field(min_length=1, max_length=200)
-    input: list[InputItem] = Field(min_length=1)
+    input: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: StrictStr | None = None
     stream: StrictBool = False
     max_output_tokens: TokenCount | None = None
     temperature: float | None = Field(default=None, ge=0, le=2, strict=True)
@@ -138,6 +164,50 @@ class ResponseRequest(Strict):
     store: StrictBool = False
     previous_response_id: StrictStr | None = None
     extensions: dict | None = None
+    text: TextConfig | None = None
+    background: StrictBool | None = None
+    _format_param: str = PrivateAttr("response_format")  # how the client spelled it: errors name that
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("background responses are not supported: create a task (POST /lmsp/v1/tasks), "
+                             "which is durable and can be followed and resumed")
+        return value
+
+    @field_validator("text")
+    @classmethod
+    def _one_format(cls, value: TextConfig | None, info) -> TextConfig | None:
+        if value is not None and value.format is not None and info.data.get("response_format") is not None:
+            # two answers to one question: neither silently wins
+            raise ValueError("text.format and response_format are two spellings of the same field; give one")
+        return value
+
+    @model_validator(mode="after")
+    def _lmsp_spelling(self) -> "ResponseRequest":
+        if isinstance(self.input, str):
+            self.input = [MessageItem(type="message", role="user", content=self.input)]
+        if self.instructions is not None:
+            self.input = [MessageItem(type="message", role="system", content=self.instructions), *self.input]
+            self.instructions = None
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None:
+            self.response_format = fmt if isinstance(fmt, TextFormat) else JsonSchemaFormat(
+                type="json_schema", json_schema=JsonSchemaSpec(
+                    name=fmt.name, schema=fmt.schema_, description=fmt.description, strict=fmt.strict))
+            self._format_param = "text.format"
+        self.text = None
+        return self
+
+    @property
+    def format_param(self) -> str:
+        """The field the client named the output format with."""
+        return self._format_param
+
+    @property
+    def schema_param(self) -> str:
+        return "text.format.schema" if self._format_param == "text.format" else "response_format.json_schema.schema"
 
     @field_validator("extensions")
     @classmethod

@@ -1,6 +1,6 @@
 """The response (6.2) and task (7.1) objects of stored rows, as clients see them."""
 
-from common import wire
+from common import timeline, wire
 from common.states import FAILED, SUCCEEDED
 from common.tables import Response, Task
 
@@ -16,10 +16,12 @@ def _response(r: Response) -> wire.Response:
         error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
 
 
-def task_object(t: Task, r: Response | None, event_resume: bool = True) -> dict:
-    """``event_resume``: whether the task's model offers its events endpoint (else no events_url)."""
+def task_object(t: Task, r: Response | None, event_resume: bool = True, attempts=()) -> dict:
+    """``event_resume``: whether the task's model offers its events endpoint (else no events_url);
+    ``attempts``: its recorded attempts (common/timeline.py), for the timeline extension."""
     return wire.Task(
         id=t.id, type=t.type, status=t.status, created_at=int(t.created_at), updated_at=int(t.updated_at),
         response_id=t.response_id, events_url=f"{wire.API}/tasks/{t.id}/events" if event_resume else None,
         on_restart=t.on_restart, response=_response(r) if t.status == SUCCEEDED and r is not None else None,
-        error=t.error if t.status == FAILED else None).wire()
+        error=t.error if t.status == FAILED else None,
+        extensions=timeline.extension(t.created_at, t.ended_at, list(attempts))).wire()

@@ -94,6 +94,25 @@ class Task(Base):
     )
 
 
+class TaskAttempt(Base):
+    """When one attempt of a task reached each step (worker clock, Unix seconds): written in the
+    transactions that claim, start and finish it (common/timeline.py reads them)."""
+    __tablename__ = "task_attempts"
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    worker_id: Mapped[str] = mapped_column(String(200))
+    delivered_at: Mapped[float] = mapped_column(Float)             # the broker message reached the worker
+    claimed_at: Mapped[float] = mapped_column(Float)               # the claim's transaction began
+    submitted_at: Mapped[float | None] = mapped_column(Float)      # prompt rendered, handed to the engine
+    admitted_at: Mapped[float | None] = mapped_column(Float)       # the engine took it into its batch
+    first_token_at: Mapped[float | None] = mapped_column(Float)
+    last_token_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)       # the final event's transaction began
+    commit_batches: Mapped[int | None] = mapped_column(Integer)    # event batches committed, and their lag
+    commit_lag_sum: Mapped[float | None] = mapped_column(Float)    # from generated to committed (seconds)
+    commit_lag_max: Mapped[float | None] = mapped_column(Float)
+
+
 class QueueCount(Base):
     """Queued tasks per principal and per model, kept by triggers on ``tasks`` (migration 0003) in the
     transaction that changes them: a queue limit reads one row instead of counting its queue."""

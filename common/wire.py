@@ -130,9 +130,67 @@ class Response(Shape):
     previous_response_id: str | None
 
 
+Seconds = Annotated[float, Field(ge=0)]
+Moment = Annotated[float | None, Field(description="Unix seconds (the worker's clock); null if never reached")]
+
+
+class Durations(Shape):
+    """Where the task's wall time went (common/timeline.py). The phases are consecutive and sum to
+    `wall`; `framework_overhead` is the framework's own share of them (dispatch, rendering the
+    prompt, write lag), not one more phase."""
+    queue: Seconds = Field(description="Created -> the first attempt's broker message reached a worker")
+    retries: Seconds = Field(description="-> the final attempt's message reached its worker (earlier attempts)")
+    dispatch: Seconds = Field(description="-> claimed")
+    load: Seconds = Field(description="-> admitted to the engine's batch (prompt rendering, waiting for a slot)")
+    prefill: Seconds = Field(description="-> first token")
+    decode: Seconds = Field(description="-> last token")
+    write_lag: Seconds = Field(description="-> the final event committed")
+    framework_overhead: Seconds
+
+
+class CommitLag(Shape):
+    """How long the attempt's event batches waited from generation to their commit."""
+    batches: Count
+    mean: Seconds
+    max: Seconds
+
+
+class AttemptTimeline(Shape):
+    model_config = ConfigDict(**Shape.model_config, json_schema_extra=_absent_not_null)
+    attempt: int = Field(ge=1)
+    worker_id: str
+    delivered_at: float
+    claimed_at: float
+    submitted_at: Moment
+    admitted_at: Moment
+    first_token_at: Moment
+    last_token_at: Moment
+    finished_at: Moment = Field(description="The final event's transaction began; null for an attempt that "
+                                            "did not finish (its worker died or handed the task on)")
+    commit_lag: CommitLag | SkipJsonSchema[None] = Field(None, exclude_if=lambda value: value is None)
+
+
+class Timeline(Shape):
+    model_config = ConfigDict(**Shape.model_config, json_schema_extra=_absent_not_null)
+    queued_at: float
+    ended_at: float | None
+    wall: Seconds | SkipJsonSchema[None] = Field(None, exclude_if=lambda value: value is None,
+                                                 description="ended_at - queued_at, once the task has ended")
+    durations: Durations | SkipJsonSchema[None] = Field(None, exclude_if=lambda value: value is None,
+                                                        description="Once the task has ended")
+    attempts: list[AttemptTimeline] = Field(description="The attempts workers recorded, in order")
+
+
+class TaskExtensions(BaseModel):
+    """Extension members of a task (spec 9.1); clients that do not know one ignore it."""
+    model_config = ConfigDict(extra="allow")
+    timeline: Timeline = Field(alias="x-lmsp-timeline", description="Where the task's time went: present "
+                               "once a worker has claimed it, or it has ended")
+
+
 def _events_url_optional(schema: dict) -> None:
     _absent_not_null(schema)
-    schema["required"] = [name for name in schema["required"] if name != "events_url"]
+    schema["required"] = [name for name in schema["required"] if name not in ("events_url", "extensions")]
 
 
 class Task(Shape):
@@ -150,6 +208,7 @@ class Task(Shape):
     on_restart: OnRestart
     response: Response | None = Field(description="The response once status is succeeded")
     error: Problem | None = Field(description="A problem when status is failed")
+    extensions: TaskExtensions | SkipJsonSchema[None] = Field(None, exclude_if=lambda value: value is None)
 
 
 class TaskList(Shape):
@@ -219,53 +278,60 @@ class Readiness(Shape):
 
 
 # -- event payloads (spec 6.3): the JSON of an SSE `data:` line or a WebSocket frame's `data` ----------
-class ResponseCreated(Shape):
+class EventData(Shape):
+    """What every event's data carries first (common/events.py ``typed``), for clients such as the OpenAI
+    SDK that read an event's type from its data; LMSP clients ignore them."""
+    type: str = Field(description="The event's name, as in its `event:` line", examples=[events.CREATED])
+    sequence_number: int = Field(ge=1, description="The event's id")
+
+
+class ResponseCreated(EventData):
     response_id: str
     status: Literal["in_progress"]
 
 
-class OutputItemEvent(Shape):
+class OutputItemEvent(EventData):
     response_id: str
     output_index: Count
     item: OutputItem
 
 
-class TextDelta(Shape):
+class TextDelta(EventData):
     response_id: str
     output_index: Count
     item_id: str
     delta: str
 
 
-class Completed(Shape):
+class Completed(EventData):
     response_id: str
     status: Literal["completed"]
     usage: Usage
 
 
-class Incomplete(Shape):
+class Incomplete(EventData):
     response_id: str
     status: Literal["incomplete"]
     incomplete_details: IncompleteDetails
     usage: Usage
 
 
-class Failed(Shape):
+class Failed(EventData):
     response_id: str
     status: Literal["failed"]
     error: Problem
 
 
-class Cancelled(Shape):
+class Cancelled(EventData):
     response_id: str
     status: Literal["cancelled"]
 
 
-class ErrorEvent(Shape):
+class ErrorEvent(EventData):
     error: Problem
 
 
-class AttemptStarted(Shape):
+class AttemptStarted(EventData):
     """Extension event: a new attempt starts from scratch after a restart; a client discards what it
     built from the response's earlier events."""
     response_id: str

@@ -703,12 +703,33 @@ def tasks_show(http: lc.Client, task_id: str, as_json: bool) -> None:
         facts.add_row("tokens", f"{usage['output_tokens']} output, {usage['input_tokens']} input")
     if task.get("error"):
         facts.add_row("error", f"{task['error'].get('code')}: {task['error'].get('detail')}")
+    if line := _timeline_line(task):
+        facts.add_row("timeline", line)
     console.print(facts)
     if task["status"] == "succeeded":
         console.print()
         console.print(lc.output_text(task["response"]), markup=False)
     elif task["status"] not in lc.TERMINAL_STATES:
         say(f"not finished; `lmsp tail {task_id}` follows it")
+
+
+TIMELINE_PHASES = ("queue", "retries", "dispatch", "load", "prefill", "decode", "write_lag")
+
+
+def _timeline_line(task: dict) -> str | None:
+    """Where a finished task's time went (its x-lmsp-timeline extension), the phases that took any."""
+    timeline = (task.get("extensions") or {}).get("x-lmsp-timeline") or {}
+    durations = timeline.get("durations")
+    if not durations:
+        return None
+    parts = [f"{name.replace('_', ' ')} {_seconds(durations[name])}" for name in TIMELINE_PHASES
+             if durations.get(name, 0) >= 0.0005]
+    share = durations["framework_overhead"] / timeline["wall"] if timeline["wall"] else 0
+    return " · ".join(parts) + f" (framework {_seconds(durations['framework_overhead'])}, {share:.1%})"
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
 @client_command(tasks, "cancel")

@@ -133,6 +133,7 @@ class EngineHost(GatedHost):
                             token_ids=len(c.token_ids),
                             finish_reason=c.finish_reason,
                             prompt_tokens=len(prompt_ids),
+                            admitted_at=req.admitted_at,
                         )
                     )
                     if c.finish_reason is not None:

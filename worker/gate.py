@@ -29,6 +29,7 @@ import heapq
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class Delta:
     token_ids: int  # number of new output tokens in this delta
     finish_reason: str | None  # None while running; "stop" / "length" / "abort" at the end
     prompt_tokens: int  # number of prompt tokens (same on every delta)
+    admitted_at: float | None = None  # when the request first got a slot in the batch (the task's timeline)
 
 
 class Request:
@@ -66,6 +68,7 @@ class Request:
         self.paused = False  # aborted by the gate, to be resubmitted
         self.cancelled = False  # abort(): end it, whether admitted or waiting
         self.slot: asyncio.Future | None = None  # set while waiting for admission
+        self.admitted_at: float | None = None  # its first admission (Unix seconds)
 
     @property
     def engine_id(self) -> str:
@@ -149,6 +152,11 @@ class GatedHost:
     async def _admit(self, req: Request) -> None:
         """Return once ``req`` holds an engine slot (or is cancelled), pausing a less urgent
         request if the batch is full."""
+        await self._take_slot(req)
+        if req.admitted_at is None and not req.cancelled:
+            req.admitted_at = time.time()
+
+    async def _take_slot(self, req: Request) -> None:
         if req.cancelled:
             return
         if not self._held_back(req):

@@ -31,6 +31,10 @@ TIME_TO_FIRST_TOKEN = Histogram(
 OUTPUT_TOKENS_PER_SECOND = Histogram(
     "lmsp_output_tokens_per_second", "One generation's output tokens over its time after the first token.",
     ["model", "kind"], buckets=(1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500))
+TASK_PHASE_SECONDS = Histogram(
+    "lmsp_task_phase_seconds", "Where a finished task attempt's time went (common/timeline.py): queue, "
+    "dispatch, load, prefill, decode, write_lag, and framework_overhead (the framework's share of them).",
+    ["model", "phase"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800))
 EVENTS_WRITTEN = Counter("lmsp_events_written", "Events committed to the event log.")
 TAKEOVERS = Counter("lmsp_takeovers", "Tasks taken over from a worker whose lease ran out.", ["model"])
 POLICY_OUTCOMES = Counter(
@@ -46,6 +50,12 @@ def observe_generation(model: str, kind: str, first_token_after: float, output_t
     TIME_TO_FIRST_TOKEN.labels(model=model, kind=kind).observe(first_token_after)
     if output_tokens > 1 and generating_seconds > 0:
         OUTPUT_TOKENS_PER_SECOND.labels(model=model, kind=kind).observe((output_tokens - 1) / generating_seconds)
+
+
+def observe_timeline(model: str, durations: dict[str, float]) -> None:
+    for phase, seconds in durations.items():
+        if phase != "retries":  # one attempt's view: earlier attempts are other observations
+            TASK_PHASE_SECONDS.labels(model=model, phase=phase).observe(seconds)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -7,10 +7,12 @@ worker that lost its task stops at its next write (DESIGN invariant 4).
 import json
 import logging
 import time
+from functools import partial
+from types import SimpleNamespace
 
 from sqlalchemy.exc import IntegrityError
 
-from common import events, lifecycle, logs
+from common import events, lifecycle, logs, timeline
 from common.broker import BACKGROUND, dispatch
 from common.errors import problem
 from common.events import dumps
@@ -47,6 +49,8 @@ class Job:
         self.seq = last_seq
         self.logged = attempt.task_id is not None or ctx.log_direct
         self.entry = ctx.register(attempt)
+        self.created_at: float | None = None  # the task's, for its timeline's phase metrics
+        self.points: dict = {}  # this attempt's timeline so far (common/timeline.py), Unix seconds
 
     # -- event plumbing ---------------------------------------------------------------------
     def number(self, emitted) -> list[tuple[int, str, str]]:
@@ -100,6 +104,7 @@ class Job:
         began = first_token_at = time.monotonic()
         with ctx.lock:
             entry.request_id = f"{self.rid}:{self.attempt.number}:{time.monotonic_ns()}"
+        submitted_at = time.time()
         try:
             if max_tokens <= 0:
                 finish_reason = "length"
@@ -107,8 +112,9 @@ class Job:
                 for delta in engine.generate(entry.request_id, prompt, params):
                     if not started:
                         started, first_token_at = True, time.monotonic()
-                        if self.attempt.task_id is not None and not ctx.write(
-                                lambda s: lifecycle.start(s, self.attempt)):
+                        marks = {"submitted_at": submitted_at, "admitted_at": delta.admitted_at,
+                                 "first_token_at": time.time()}
+                        if self.attempt.task_id is not None and not ctx.write(partial(self._start, marks=marks)):
                             entry.cancelled = True
                             break
                     output_tokens += delta.token_ids
@@ -123,6 +129,8 @@ class Job:
                         break
                 if pending:
                     self.emit(builder.feed(pending))
+                if started:
+                    self.points["last_token_at"] = time.time()
         except Fenced:
             entry.fenced = True
         except Exception as exc:  # noqa: BLE001 - any engine failure ends the response as failed
@@ -153,19 +161,25 @@ class Job:
                  "total_tokens": self.response.input_tokens + output_tokens}
         self.finish(status, emitted, builder.items, usage, error)
 
+    def _start(self, session, *, marks: dict) -> bool:
+        """loading -> running, with the attempt's points up to its first token."""
+        self.points.update(marks)
+        timeline.record(session, self.attempt, **marks)
+        return lifecycle.start(session, self.attempt)
+
     # -- the one final event ---------------------------------------------------------------------
     def finish(self, status: R, emitted, output, usage, error) -> None:
         ctx, entry = self.ctx, self.entry
         if self.logged:
             ctx.writer.flush()  # every earlier event is in the log (or refused) before the final one
+        lag = ctx.writer.commit_lag(self.attempt)
         try:
             if entry.write_error is None:
-                publish = ctx.write(lambda s: lifecycle.finish(
-                    s, self.attempt, status, first_seq=self.seq + 1, emitted=emitted, output=output,
-                    usage=usage, error=error, logged=self.logged))
+                publish = ctx.write(lambda s: self._finish(s, status, emitted, output, usage, error, lag))
                 if self.attempt.task_id is not None:
                     final = json.loads(next(iter(publish.values()))[-1][2])  # a cancel may have won
                     metrics.TASKS_FINISHED.labels(model=ctx.spec.id, status=TASK_OUTCOME[final["status"]]).inc()
+                    self._observe_timeline()
                 return
         except IntegrityError:
             entry.write_error = problem("generation_failed", "the final event collides with one already logged")
@@ -177,6 +191,21 @@ class Job:
             ctx.write(lambda s: lifecycle.fail_write(s, self.attempt, entry.write_error))
         except Fenced:
             pass
+
+    def _finish(self, session, status, emitted, output, usage, error, lag):
+        if self.attempt.task_id is not None:
+            self.points["finished_at"] = time.time()
+            timeline.record(session, self.attempt, last_token_at=self.points.get("last_token_at"),
+                            finished_at=self.points["finished_at"], commit_lag=lag)
+        return lifecycle.finish(session, self.attempt, status, first_seq=self.seq + 1, emitted=emitted,
+                                output=output, usage=usage, error=error, logged=self.logged)
+
+    def _observe_timeline(self) -> None:
+        """This attempt's phases as this process saw them (up to its final transaction)."""
+        if self.created_at is not None and "claimed_at" in self.points:
+            point = SimpleNamespace(**{name: self.points.get(name) for name in timeline.POINTS})
+            metrics.observe_timeline(self.ctx.spec.id, timeline.durations(
+                self.created_at, self.points["finished_at"], [point]))
 
 
 def run_task(ctx: WorkerContext, task_id: str) -> None:
@@ -192,11 +221,13 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
         ctx.stopping.wait(1.0)
         dispatch(ctx.celery, ctx.spec.queue, {"task_id": task_id}, BACKGROUND)
         return
-    claimed = ctx.write(lambda s: lifecycle.claim(s, task_id, ctx.worker_id))[0]
+    points = {"delivered_at": time.time()}
+    claimed = ctx.write(lambda s: _claim(s, ctx, task_id, points))[0]
     if claimed is None:
         return
     try:
         job = Job(ctx, claimed.attempt, claimed.response, claimed.log[-1][0] if claimed.log else 1)
+        job.created_at, job.points = claimed.task.created_at, points
         builder = job.builder()
         prior_tokens = 0
         if not claimed.fresh:
@@ -224,6 +255,15 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
             ctx.write(lambda s: lifecycle.fail_write(s, claimed.attempt, error))
         except Fenced:
             pass
+
+
+def _claim(session, ctx: WorkerContext, task_id: str, points: dict):
+    """The claim, and its attempt's first points on the timeline, in one transaction."""
+    claimed, publish = lifecycle.claim(session, task_id, ctx.worker_id)
+    if claimed is not None:
+        points["claimed_at"] = time.time()
+        timeline.claimed(session, claimed.attempt, **points)
+    return claimed, publish
 
 
 def _latest_attempt(log_events):

@@ -183,7 +183,8 @@ class SimEngine(GatedHost):
             if due >= s.limit:
                 finish = "stop" if s.limit < s.req.params.max_tokens or (
                     s.doc is not None and due * CHARS_PER_JSON_TOKEN >= len(s.doc)) else "length"
-            s.out.put(Delta(text=text, token_ids=k, finish_reason=finish, prompt_tokens=s.prompt_tokens))
+            s.out.put(Delta(text=text, token_ids=k, finish_reason=finish, prompt_tokens=s.prompt_tokens,
+                             admitted_at=s.req.admitted_at))
             if finish is not None:
                 del self._streams[engine_id]
                 s.done.set_result(finish)

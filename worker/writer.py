@@ -9,6 +9,7 @@ bad batch: a batch the database refuses fails its own response, nobody else's.
 
 import logging
 import threading
+import time
 from collections import defaultdict
 
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
@@ -38,6 +39,8 @@ class EventWriter:
         self.stop_event = stop
         self._cond = threading.Condition()
         self._pending: list[tuple[Attempt, Event]] = []
+        self._since: dict[Attempt, float] = {}  # when each attempt's oldest pending event was submitted
+        self._lags: dict[Attempt, list] = {}    # per attempt: [batches, total lag, max lag] (its timeline)
         self._submitted = 0
         self._committed = 0
         self._stop = False
@@ -54,6 +57,7 @@ class EventWriter:
             if self.dead is not None:
                 raise WriterDead() from self.dead
             self._pending.extend((attempt, e) for e in batch)
+            self._since.setdefault(attempt, time.time())
             self._submitted += 1
             self._cond.notify_all()
 
@@ -65,6 +69,13 @@ class EventWriter:
                 if self.dead is not None:
                     raise WriterDead() from self.dead
                 self._cond.wait(1.0)
+
+    def commit_lag(self, attempt: Attempt) -> tuple[int, float, float] | None:
+        """(batches, total, max) seconds from an event's submission to its commit, for ``attempt``'s
+        events so far (after ``flush``: all of them); forgotten once asked."""
+        with self._cond:
+            lag = self._lags.pop(attempt, None)
+        return None if lag is None else tuple(lag)
 
     def stop(self) -> None:
         with self._cond:
@@ -89,6 +100,7 @@ class EventWriter:
                 if not self._pending and self._stop:
                     return
                 pending, self._pending = self._pending, []
+                since, self._since = self._since, {}
                 upto = self._submitted
             grouped: dict[Attempt, list[Event]] = defaultdict(list)
             for attempt, event in pending:
@@ -96,7 +108,13 @@ class EventWriter:
             accepted = self._commit(grouped)
             metrics.EVENTS_WRITTEN.inc(sum(len(grouped[a]) for a in accepted))
             self.publisher.publish_many({a.response_id: grouped[a] for a in accepted})
+            now = time.time()
             with self._cond:
+                for attempt in accepted:
+                    lag = self._lags.setdefault(attempt, [0, 0.0, 0.0])
+                    lag[0] += 1
+                    lag[1] += now - since[attempt]
+                    lag[2] = max(lag[2], now - since[attempt])
                 self._committed = upto
                 self._cond.notify_all()
 

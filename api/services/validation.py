@@ -44,7 +44,7 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
     if req.tool_choice == "required" and not req.tools:
         raise LMSPError("invalid_request", "tool_choice is required but tools is empty", param="tool_choice")
     if req.json_schema is not None:
-        _capability(spec, "structured_output", "response_format json_schema", "response_format")
+        _capability(spec, "structured_output", f"{req.format_param} json_schema", req.format_param)
     for i, tool in enumerate(req.tools or []):  # the grammar's size limits, cheap: before the rest
         check_budget(tool.parameters, f"tools[{i}].parameters", svc.settings)
     constraint = _constraint(req)
@@ -80,7 +80,7 @@ def _constraint(req: ResponseRequest) -> tuple[dict, str] | None:
         index = next((i for i, t in enumerate(req.tools) if t.name == mode), None)
         return schema, "tools" if index is None else f"tools[{index}].parameters"
     if req.json_schema is not None:
-        return req.json_schema, "response_format.json_schema.schema"
+        return req.json_schema, req.schema_param
     return None
 
 

@@ -13,13 +13,13 @@ from sqlalchemy.orm import Session
 from api.extensions import Services
 from api.services import idempotency
 from api.services.validation import Prepared
-from common import events, interactive_wire, lifecycle
+from common import events, interactive_wire, lifecycle, timeline
 from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError, problem
 from common.events import dumps
 from common.ids import is_id
 from common.resources import response_object, task_object
-from common.states import FAILED, SUCCEEDED, R
+from common.states import FAILED, QUEUED, SUCCEEDED, R
 from common.tables import Response, Task
 
 
@@ -169,12 +169,16 @@ def get_task(session: Session, principal: str, task_id: str) -> Task:
 
 
 def task_view(session: Session, task: Task, registry) -> dict:
-    return task_doc(task, session.get(Response, task.response_id) if task.status == SUCCEEDED else None, registry)
+    # A queued task has no attempt yet: a new task's 202 costs no query for its timeline.
+    attempts = [] if task.status == QUEUED else timeline.attempts_of(session, [task.id]).get(task.id, [])
+    return task_doc(task, session.get(Response, task.response_id) if task.status == SUCCEEDED else None, registry,
+                    attempts)
 
 
-def task_doc(task: Task, response: Response | None, registry) -> dict:
+def task_doc(task: Task, response: Response | None, registry, attempts=()) -> dict:
     spec = registry.models.get(task.model)  # a model since removed keeps its events readable
-    return task_object(task, response, event_resume=spec is None or spec.public_capabilities()["event_resume"])
+    return task_object(task, response, event_resume=spec is None or spec.public_capabilities()["event_resume"],
+                       attempts=attempts)
 
 
 def cancel_task(svc: Services, principal: str, task_id: str) -> dict:

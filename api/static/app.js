@@ -50,6 +50,29 @@ function duration(task) {
   const end = TERMINAL.includes(task.status) ? task.updated_at : Date.now() / 1000;
   return seconds(end - task.created_at);
 }
+// Where a finished task's time went (its x-lmsp-timeline extension): one bar, a segment per phase.
+const PHASES = ["queue", "retries", "dispatch", "load", "prefill", "decode", "write_lag"];
+function span(s) { return s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`; }
+function timelineBar(task) {
+  const line = task.extensions && task.extensions["x-lmsp-timeline"];
+  const bar = document.createElement("div");
+  bar.className = "timeline";
+  if (!line || !line.durations || !(line.wall > 0)) return bar;
+  const d = line.durations;
+  const parts = PHASES.filter((p) => d[p] > 0).map((p) => `${p.replace("_", " ")} ${span(d[p])}`);
+  const label = `${parts.join(", ")}; framework ${span(d.framework_overhead)} of ${span(line.wall)}`;
+  bar.setAttribute("role", "img");
+  bar.setAttribute("aria-label", label);
+  bar.title = label;
+  for (const phase of PHASES) {
+    if (!(d[phase] > 0)) continue;
+    const seg = document.createElement("span");
+    seg.className = `phase-${phase}`;
+    seg.style.width = `${(100 * d[phase]) / line.wall}%`;
+    bar.append(seg);
+  }
+  return bar;
+}
 function tokensOf(task) {
   const usage = task.response && task.response.usage;
   return usage ? String(usage.output_tokens) : "–";
@@ -133,10 +156,11 @@ async function loadTasks(more) {
     cell(row, tokensOf(task));
     cell(row, duration(task));
     cell(row, new Date(task.created_at * 1000).toLocaleString());
+    row.insertCell().append(timelineBar(task));
   }
   if (!more && !page.data.length) {
     const empty = body.insertRow().insertCell();
-    empty.colSpan = 5;
+    empty.colSpan = 6;
     empty.className = "muted";
     empty.textContent = "No tasks yet: submit one above.";
   }
@@ -171,6 +195,8 @@ function renderTask() {
   $("#task-tokens").textContent = usage ? `${usage.output_tokens} output, ${usage.input_tokens} input`
                                         : `${current.chars} characters so far`;
   $("#task-elapsed").textContent = duration(task);
+  const bar = timelineBar(task);
+  $("#task-timeline").replaceChildren(bar, document.createTextNode(bar.title || "–"));
   $("#cancel").hidden = TERMINAL.includes(task.status) || task.status === "cancelling";
   if (task.error) $("#task-error").textContent = `${task.error.code}: ${task.error.detail}`;
 }

@@ -79,7 +79,7 @@ def sse(task_id: str):
         try:
             for batch in batches:
                 if batch is None:
-                    yield ": keep-alive\n\n"
+                    yield events.HEARTBEAT
                     continue
                 yield events.sse_many(batch)
                 last = batch[-1][0]

@@ -118,7 +118,7 @@ def _stream(svc, response_id, key, events_):
     try:
         for event in events_:
             if event is None:
-                yield ": keep-alive\n\n"  # lets WSGI notice a closed client within a heartbeat
+                yield events.HEARTBEAT  # lets WSGI notice a closed client within a heartbeat
                 continue
             last, name, data = event
             yield events.sse(last, name, data)

@@ -20,6 +20,7 @@ from api.services.work import (
     task_doc,
     task_view,
 )
+from common import timeline
 from common.errors import LMSPError
 from common.events import REASONING_DELTA, TEXT_DELTA
 from common.ids import is_id
@@ -179,7 +180,9 @@ def list_tasks():
         page = rows[:limit]
         done = [t.response_id for t in page if t.status == SUCCEEDED]
         responses = {r.id: r for r in session.execute(select(ResponseRow).where(ResponseRow.id.in_(done))).scalars()}
-        data = [task_doc(t, responses.get(t.response_id), services().registry) for t in page]
+        attempts = timeline.attempts_of(session, [t.id for t in page])
+        data = [task_doc(t, responses.get(t.response_id), services().registry, attempts.get(t.id, []))
+                for t in page]
     more = len(rows) > limit
     return {"object": "list", "data": data, "has_more": more, "next_cursor": page[-1].id if more else None}
 

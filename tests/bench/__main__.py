@@ -404,9 +404,25 @@ def b1(run, table: Table, sides: Sides) -> None:
     same = sum(a == b for a, b in zip(rounds[0]["texts"], eng[0]["texts"], strict=True))
     ratio = s_rate / e_rate
     table.add("B1", name, f"{s_rate:.1f} tok/s", f"{e_rate:.1f} tok/s", ratio, goal, ratio >= 0.95, details={
-        "service": [{k: v for k, v in r.items() if k != "texts"} for r in rounds],
+        "service": [{k: v for k, v in r.items() if k not in ("texts", "timelines")} for r in rounds],
         "engine": [{k: v for k, v in r.items() if k != "texts"} for r in eng],
         "identical_outputs": f"{same}/{B1_TASKS}"})
+    timeline_figure(table, [line for r in rounds for line in r["timelines"]])
+
+
+def timeline_figure(table: Table, lines: list) -> None:
+    """T1 (issue 24): the framework's share of a task's wall time, from B1's tasks' own timelines
+    (x-lmsp-timeline: dispatch + prompt rendering + write lag, over created -> final event committed)."""
+    name, goal = "framework share of a task's wall time (B1 tasks)", "<= 5%"
+    lines = [line for line in lines if line and line.get("durations") and line["wall"] > 0]
+    if not lines:
+        table.na("T1", name, goal, "no task carried a timeline")
+        return
+    shares = sorted(line["durations"]["framework_overhead"] / line["wall"] for line in lines)
+    p50, p99 = median(shares), shares[min(len(shares) - 1, int(0.99 * len(shares)))]
+    phases = {p: median([line["durations"][p] for line in lines]) for p in lines[0]["durations"]}
+    table.add("T1", name, f"p50 {100 * p50:.2f}%", "-", 100 * p99, goal, p99 <= 0.05, unit="% (p99)", details={
+        "tasks": len(lines), "median_phase_seconds": phases, "median_wall_s": median([x["wall"] for x in lines])})
 
 
 def b2(run, table: Table, sides: Sides) -> None:

@@ -116,7 +116,8 @@ def tasks_round(run: Run, texts: list[str], max_tokens: int) -> dict:
         db_makespan = max(ended) - wall0
     return {"elapsed": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
             "accepted_s": max(at for _, at in done) - start, "db_makespan_s": db_makespan,
-            "texts": [output_text(t["response"]) for t in ordered]}
+            "texts": [output_text(t["response"]) for t in ordered],
+            "timelines": [(t.get("extensions") or {}).get("x-lmsp-timeline") for t in ordered]}
 
 
 def responses_round(run: Run, texts: list[str], max_tokens: int) -> dict:

@@ -181,10 +181,12 @@ def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, model_id)
     cells = row.locator("td").all_inner_texts()
     assert cells[1] == "succeeded" and cells[2] == str(final["response"]["usage"]["output_tokens"])
     assert re.fullmatch(r"(\d+m )?\d+s", cells[3])
+    assert "decode" in row.locator(".timeline").get_attribute("aria-label")  # a bar per task (issue 24)
     page.screenshot(path=str(SHOTS / "5-task-list.png"), full_page=True)
     row.locator("a").click()
     page.wait_for_selector("#task-state[data-state=succeeded]")
     assert page.inner_text("#task-text") == shown
+    assert "framework" in page.inner_text("#task-timeline")
 
     # phone width: nothing wider than the screen
     page.set_viewport_size({"width": 390, "height": 844})

@@ -113,8 +113,8 @@ def test_upgrade_keeps_the_data_of_the_revision_before(url, revision):
         rows: dict[str, dict] = {}
         with engine.begin() as conn:
             for table in old.sorted_tables:
-                if table.name == "alembic_version":
-                    continue
+                if table.name == "alembic_version" or is_partition(table.name):
+                    continue  # a partition's rows are its parent's (events), which gets one
                 rows[table.name] = {c.name: _sample(c, rows) for c in table.columns}
                 conn.execute(table.insert().values(**rows[table.name]))
         upgrade(url)

@@ -122,7 +122,7 @@ def test_unknown_model(alice):
 
 @pytest.mark.parametrize("body,param", [
     ({"input": user("hi")}, "model"),
-    ({"model": "m", "input": "not a list"}, "input"),
+    ({"model": "m", "input": 5}, "input"),
     ({"model": "m", "input": [{"type": "message", "role": "robot", "content": "x"}]}, "input[0].role"),
     ({"model": "m", "input": user("hi"), "temperature": 9}, "temperature"),
     ({"model": "m", "input": user("hi"), "max_output_tokens": 0}, "max_output_tokens"),
@@ -252,3 +252,52 @@ def test_models_live_state(alice, model_id, stack):
                                                                          "input": user("hi")}})
     assert queued.status_code == 202 and queued.json()["status"] == "queued"
     assert alice.post(f"/lmsp/v1/tasks/{queued.json()['id']}/cancel").json()["status"] == "cancelled"
+
+
+def test_openai_sdk_common_calls(alice, model_id):
+    """The OpenAI Python SDK as a new user calls it (README: "Use it from the OpenAI SDK")."""
+    import openai  # vLLM installs it: a hard import, so this cannot skip silently
+    sdk = openai.OpenAI(base_url=alice.url("/lmsp/v1"), api_key=alice.http.headers["Authorization"][7:],
+                        max_retries=0)
+    assert model_id in [m.id for m in sdk.models.list()]
+    common = {"model": model_id, "temperature": 0, "store": True}
+    plain = sdk.responses.create(input="Name three colors.", max_output_tokens=30, **common)
+    assert plain.id.startswith("resp_") and plain.status in ("completed", "incomplete") and plain.output_text
+    assert sdk.responses.retrieve(plain.id).output_text == plain.output_text
+    # the same message as an array, both spellings
+    for items in ([{"role": "user", "content": "Name three colors."}], user("Name three colors.")):
+        assert sdk.responses.create(input=items, max_output_tokens=30, **common).output_text == plain.output_text
+
+    with sdk.responses.create(input="Write one sentence about the sea.", max_output_tokens=40, stream=True,
+                              **common) as stream:
+        received = list(stream)
+    assert [e.sequence_number for e in received] == list(range(1, len(received) + 1))
+    assert received[0].type == "response.created" and received[-1].type in ("response.completed",
+                                                                            "response.incomplete")
+    assert {e.type for e in received} >= {"response.output_item.added", "response.output_text.delta",
+                                          "response.output_item.done"}
+    text = "".join(e.delta for e in received if e.type == "response.output_text.delta")
+    stored = sdk.responses.retrieve(received[0].model_extra["response_id"])
+    assert text and stored.output_text == text
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    shaped = sdk.responses.create(input="Describe Tokyo as JSON with its population.", max_output_tokens=120,
+                                  text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                   "strict": True}}, **common)
+    assert shaped.status == "completed", shaped
+    jsonschema.validate(json.loads(shaped.output_text), schema)
+
+    question = [{"role": "user", "content": "What is the weather in Hangzhou?"}]
+    called = sdk.responses.create(input=question, tools=[WEATHER], tool_choice="required", max_output_tokens=80,
+                                  **common)
+    call = called.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    answered = sdk.responses.create(
+        input=[*question, call, {"type": "function_call_output", "call_id": call.call_id,
+                                 "output": json.dumps({"temperature_c": 17, "condition": "light rain"})}],
+        tools=[WEATHER], tool_choice="none", max_output_tokens=40, **common)
+    assert answered.output[0].type == "message" and answered.output_text
+    alone = sdk.responses.create(input=question, tools=[WEATHER], tool_choice="none", max_output_tokens=1, **common)
+    assert answered.usage.input_tokens > alone.usage.input_tokens + 10  # the call and its result were read

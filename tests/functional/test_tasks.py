@@ -59,6 +59,30 @@ def test_create_and_poll(alice, model_id):
     assert alice.get("/lmsp/v1/tasks/task_nope").json()["code"] == "task_not_found"
 
 
+PHASES = ("queue", "retries", "dispatch", "load", "prefill", "decode", "write_lag")
+
+
+def test_timeline_phases_sum_to_the_wall_time(alice, model_id):
+    """Issue 24 part 2: where a task's time went, recorded by the worker, split into phases that sum to
+    its wall time (created -> final event committed)."""
+    task = submit(alice, model_id, max_output_tokens=16).json()
+    done = wait_status(alice, task["id"], {"succeeded"})
+    line = done["extensions"]["x-lmsp-timeline"]
+    durations = line["durations"]
+    assert all(durations[p] >= 0 for p in PHASES)
+    assert sum(durations[p] for p in PHASES) == pytest.approx(line["wall"], abs=1e-6)
+    assert line["wall"] == pytest.approx(line["ended_at"] - line["queued_at"])
+    assert (int(line["queued_at"]), int(line["ended_at"])) == (done["created_at"], done["updated_at"])
+    [attempt] = line["attempts"]
+    assert attempt["attempt"] == 1 and attempt["worker_id"] == f"test-{model_id}"
+    points = [attempt[p] for p in ("delivered_at", "claimed_at", "submitted_at", "admitted_at", "first_token_at",
+                                   "last_token_at", "finished_at")] + [line["ended_at"]]
+    assert points == sorted(points)  # one worker's clock, in the order things happen
+    assert durations["prefill"] > 0 and durations["decode"] > 0 and durations["retries"] == 0
+    assert 0 < durations["framework_overhead"] < line["wall"]
+    assert attempt["commit_lag"]["batches"] >= 1 and attempt["commit_lag"]["max"] >= attempt["commit_lag"]["mean"]
+
+
 def test_events_replay_and_resume(alice, model_id):
     task = submit(alice, model_id, max_output_tokens=30).json()
     events = alice.sse(task["events_url"])

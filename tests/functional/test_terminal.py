@@ -139,5 +139,6 @@ def test_client_commands_against_the_stack(stack, tail_env, api, model_id, tmp_p
     assert task_id in [t["id"] for t in json.loads(lmsp("tasks", "list", "--json").stdout)]
     shown = lmsp("tasks", "show", task_id)
     assert "succeeded" in shown.stdout and shown.returncode == 0
+    assert "timeline" in shown.stdout and "decode" in shown.stdout and "framework" in shown.stdout
     refused = lmsp("ask", "hi", "--model", "no:such-model")
     assert refused.returncode == 1 and "lmsp models list" in refused.stderr

@@ -155,12 +155,13 @@ def test_a_replay_longer_than_a_page_comes_whole_and_in_order(unit, alice, monke
 
 
 def test_sse_frames_are_the_spec_form_byte_for_byte(unit, alice):
-    """6.3: each event is ``id``, ``event`` and ``data`` lines and a blank line, the data as logged."""
+    """6.3: each event is ``id``, ``event`` and ``data`` lines and a blank line, the data as logged after
+    its ``type`` and ``sequence_number`` (what the OpenAI SDK reads)."""
     task = alice.task("succeeded")
     script = _script(task.response_id)
     alice.log(task, script)
-    expected = "".join(f"id: {seq}\nevent: {name}\ndata: {events.dumps(data)}\n\n"
-                       for seq, (name, data) in enumerate(script, 1))
+    expected = "".join(f'id: {seq}\nevent: {name}\ndata: {{"type":"{name}","sequence_number":{seq},'
+                       f'{events.dumps(data)[1:]}\n\n' for seq, (name, data) in enumerate(script, 1))
     assert events.sse_many([(1, events.CREATED, "{}")]) == events.sse(1, events.CREATED, "{}")
     resp = alice.get(f"/lmsp/v1/tasks/{task.id}/events")
     assert resp.status_code == 200 and resp.get_data(as_text=True) == expected

@@ -158,7 +158,8 @@ def test_every_final_event_and_problem_matches_its_schema(doc):
                        ("incomplete", {"usage": USAGE, "incomplete_details": {"reason": "max_output_tokens"}}),
                        ("cancelled", {})):
         name, data = events.final("resp_1", status, **kw)
-        _validator(doc, named[name]).validate(data)
+        _validator(doc, named[name]).validate(json.loads(events.typed(7, name, events.dumps(data))))
+        assert not _validator(doc, named[name]).is_valid(data)  # type and sequence_number are always sent
     for code in CODES:
         schema(doc, "Problem").validate(problem(code, "detail", instance="/x", param="p"))
 

@@ -19,9 +19,11 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
 INVALID = [
     ({"model": None}, "model"),
     ({"model": ""}, "model"),
-    ({"input": "not a list"}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": ""}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"role": "user", "content": "x"}]}, "input[0]"),
+    ({"input": [{"content": "x"}]}, "input[0]"),
+    ({"input": [{"role": "user"}]}, "input[0].content"),
     ({"input": [{"type": "message", "role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "message", "role": "user", "content": 5}]}, "input[0].content"),
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "image", "url": "x"}]}]},
@@ -48,6 +50,13 @@ INVALID = [
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"previous_response_id": 5}, "previous_response_id"),
+    # the OpenAI SDK's spellings (6.1 has the LMSP ones): named as the client spelled them
+    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "text"}}, "response_format": {"type": "text"}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}}, "text.format.name"),
+    ({"background": True}, "background"),
+    ({"instructions": 5}, "instructions"),
 ]
 
 
@@ -89,6 +98,8 @@ def test_missing_task_input(alice):
     ({"tools": [TOOL]}, "tools", "tools"),
     ({"tools": [TOOL], "tool_choice": "auto"}, "tools", "tools"),
     ({"response_format": SCHEMA_FORMAT}, "response_format", "structured_output"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format",
+     "structured_output"),
     ({"previous_response_id": "resp_x"}, "previous_response_id", "conversations"),
 ])
 def test_unsupported_capability(unit, alice, fields, param, capability):
@@ -170,6 +181,22 @@ def test_body_and_limits(unit, alice):
 def test_unknown_extensions_are_ignored(alice):
     body = task_body(extensions={"x-trace": {"a": 1}, "com.example.priority": "high"})
     assert alice.post("/lmsp/v1/tasks", body).status_code == 202
+
+
+def test_openai_spellings_are_stored_as_lmsp(unit, alice):
+    """A string input, instructions, {role, content} items and text.format are other spellings: the task
+    keeps (and its worker reads) the LMSP request they stand for."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    sdk = alice.post("/lmsp/v1/tasks", task_body(input="Hi", instructions="Be brief.", text={"format": {
+        "type": "json_schema", "name": "x", "schema": schema, "strict": True}}))
+    lmsp = alice.post("/lmsp/v1/tasks", task_body(
+        input=[{"role": "system", "content": "Be brief."}, {"type": "message", "role": "user", "content": "Hi"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}))
+    assert sdk.status_code == lmsp.status_code == 202
+    with unit.sessions() as session:
+        stored = [session.get(Response, resp.get_json()["response_id"]).request for resp in (sdk, lmsp)]
+    assert stored[0] == stored[1] and stored[0]["input"][0] == {"type": "message", "role": "system",
+                                                               "content": "Be brief."}
 
 
 def test_versioning(alice):
