@@ -11,7 +11,7 @@ EXTRA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu
 EXTRAS  ?= $(EXTRA),dev
 EDITABLE ?= -e
 
-.PHONY: install model run test bench lint clean browser
+.PHONY: install model run test bench chaos chaos-short lint clean browser
 
 install: $(STAMP)
 
@@ -56,6 +56,16 @@ browser:
 
 bench: model
 	$(BIN)/python -m tests.bench
+
+# The chaos run (tests/chaos): two workers, the api, its own Postgres and Redis, load, a seeded random
+# schedule of faults (LMSP_CHAOS_SECONDS, default 1200; LMSP_CHAOS_SEED), then a history check whose last
+# line is `chaos: N violations` (exit 1 when N > 0). Not part of `make test`.
+chaos: model
+	$(BIN)/python -m tests.chaos
+
+# Three minutes of faults on a fixed seed; with the engines' start and the settle, about 6-8 minutes here.
+chaos-short: model
+	LMSP_CHAOS_SECONDS=180 LMSP_CHAOS_SEED=20261108 $(BIN)/python -m tests.chaos
 
 lint: install
 	$(BIN)/ruff check api worker common migrations tests lmsp
