@@ -349,7 +349,8 @@ def figures(history: dict, cluster: Cluster, h: History) -> list[str]:
              f"followers: {len(history['followers'])} "
              f"({Counter(f['transport'] for f in history['followers'])}), "
              f"{sum(f['reconnects'] for f in history['followers'])} reconnects",
-             f"direct streams: {Counter(d['outcome'] for d in history['directs'])}",
+             f"direct streams: {Counter(d['outcome'] for d in history['directs'])}; failed ones by detail: "
+             f"{Counter(((d['events'][-1][2].get('error') or {}).get('detail') or '')[:60] for d in history['directs'] if d['events'] and d['events'][-1][1] == 'response.failed')}",
              "takeovers: " + ", ".join(f"{n}={t.count('took over')}" for n, t in logs.items()) +
              "; engines reloaded: " + ", ".join(f"{n}={t.count('a new engine is loaded')}" for n, t in logs.items()),
              f"restarts by the keeper: {dict(cluster.restarts)}",

@@ -6,7 +6,8 @@ A history is a dict of plain JSON values:
 * ``tasks``: task id -> {policy, cancel (None or the status the cancel answered), final (None when the
   task could not be read, else {status, error_code, text}), log ([seq, name, data] from Postgres)}
 * ``followers``: [{task_id, transport, events: [[seq, name, data]...], finished, reconnects}]
-* ``directs``: [{started, ended, events, outcome: "final" | "eof" | "broken", detail}]
+* ``directs``: [{started, ended, events, outcome: "final" | "error" | "eof" | "broken" | "hung" | "open" |
+  "http NNN", detail}]
 * ``idempotency``: [{key, task_ids: the distinct task ids its answers carried}]
 * ``http``: [{method, path, status, code, retry_after, content_type}] for every answer >= 500
 * ``ownerless``: [{t, id, status, attempt, why}] samples of live states nobody owns (lease expired)
@@ -172,8 +173,11 @@ def check_directs(directs: list, faults: list) -> list[Violation]:
             out.append(Violation("direct", subject, "the stream ended without a final or error event",
                                  received=len(d["events"]), last=d["events"][-1][:2] if d["events"] else None))
             continue
-        if d["outcome"] == "hung":
-            out.append(Violation("direct", subject, "the response never ended (open for 600 s)",
+        if d["outcome"].startswith("http"):
+            continue  # refused with a status: check_http judges it
+        if d["outcome"] in ("hung", "open"):
+            out.append(Violation("direct", subject, "the response never ended (open for 300 s, or still open "
+                                 "after the run's settle)", started=d["started"],
                                  detail=d.get("detail"), received=len(d["events"]),
                                  last=d["events"][-1][:2] if d["events"] else None))
             continue

@@ -225,13 +225,18 @@ class Load:
             time.sleep(rng.uniform(0.5, 3))
 
     def _direct_stream(self, http, body) -> None:
-        rec = {"started": self.h.now(), "ended": None, "events": [], "outcome": "eof", "detail": None}
-        deadline = time.monotonic() + 600  # a stream open this long hangs (invariant 9: every stream ends)
+        # Recorded from the start: a stream still open when the run ends is one that hangs.
+        rec = {"started": self.h.now(), "ended": None, "events": [], "outcome": "open", "detail": None}
+        with self.h.lock:
+            self.h.directs.append(rec)
+        deadline = time.monotonic() + 300  # a stream open this long hangs (invariant 9: every stream ends)
         try:
             with http.post(self.base + "/lmsp/v1/responses", json=body, stream=True, timeout=(5, 120)) as resp:
                 self.h.answered("POST", "/lmsp/v1/responses", resp)
                 if resp.status_code != 200:
-                    return  # an answered refusal (503 while no worker is up): the http check judges it
+                    rec["outcome"] = f"http {resp.status_code}"  # a refusal (503 while no worker is up)
+                    return
+                rec["outcome"] = "eof"
                 for seq, name, data in iter_sse(_until(resp.iter_lines(decode_unicode=True), deadline)):
                     rec["events"].append([seq, name, data])
                     if name in FINALS or name == "error":
@@ -243,17 +248,15 @@ class Load:
             rec["outcome"], rec["detail"] = "broken", f"{type(exc).__name__}: {exc}"[:300]
         rec["ended"] = self.h.now()
         self.h.count(f"direct stream: {rec['outcome']}")
-        with self.h.lock:
-            self.h.directs.append(rec)
 
     def _direct_sync(self, http, body) -> None:
         try:
-            resp = self._request(http, "POST", "/lmsp/v1/responses", json=body, timeout=(5, 600))
+            resp = self._request(http, "POST", "/lmsp/v1/responses", json=body, timeout=(5, 300))
             self.h.count(f"direct sync: {resp.status_code}")
         except requests.ReadTimeout:
             with self.h.lock:
-                self.h.directs.append({"started": self.h.now() - 600, "ended": self.h.now(), "events": [],
-                                       "outcome": "hung", "detail": "a synchronous response unanswered for 600 s"})
+                self.h.directs.append({"started": self.h.now() - 300, "ended": self.h.now(), "events": [],
+                                       "outcome": "hung", "detail": "a synchronous response unanswered for 300 s"})
         except requests.RequestException:
             self.h.count("direct sync: no answer")
 

@@ -142,6 +142,8 @@ def test_direct_streams():
     assert checker.check_directs([broken], [{"kind": "api_kill", "start": 4, "end": 6}]) == []
     assert len(checker.check_directs([{**ok, "outcome": "eof", "events": good_log()[:2]}], [])) == 1
     assert len(checker.check_directs([{**ok, "outcome": "hung"}], [])) == 1
+    assert len(checker.check_directs([{**ok, "outcome": "open", "ended": None}], [])) == 1
+    assert checker.check_directs([{**ok, "outcome": "http 503", "events": []}], []) == []
     failed = good_log()[:2] + [ev(3, "response.failed", status="failed", error={"code": "server_error"})]
     assert len(checker.check_directs([{**ok, "events": failed}], [])) == 1
 
