@@ -159,7 +159,12 @@ def _during(faults: list, kinds: set, start: float, end: float) -> bool:
                for f in faults)
 
 
-def check_directs(directs: list, faults: list) -> list[Violation]:
+BREAKS_A_STREAM = {"worker_kill", "worker_stop", "engine_kill", "postgres_restart", "proxy_cut", "proxy_stall",
+                   "disk_full"}
+
+
+def check_directs(directs: list, faults: list, grace: float = 30) -> list[Violation]:
+    """``grace``: how long after a fault its effects may still end a stream (a lease or two)."""
     out = []
     for n, d in enumerate(directs):
         subject = f"direct stream #{n}"
@@ -189,6 +194,13 @@ def check_directs(directs: list, faults: list) -> list[Violation]:
             code = (final[2].get("error") or {}).get("code")
             if code not in DIRECT_FAILURES:
                 out.append(Violation("direct", subject, f"failed with {code}", error=final[2].get("error")))
+            elif code == "server_restarted" and not _during(faults, BREAKS_A_STREAM, d["started"] - grace,
+                                                            d["ended"]):
+                # A worker that died or lost its engine (or its lease) fails its streams; while none did, a
+                # person must not get server_restarted (README; issue 21 #3: no claims while reloading).
+                out.append(Violation("direct", subject, "failed with server_restarted while no worker, engine "
+                                     "or database fault was under way", started=d["started"], ended=d["ended"],
+                                     error=final[2].get("error")))
         elif final and final[1] in ("response.completed", "response.incomplete"):
             tail = last_attempt(d["events"])
             done = [e for e in tail if e[1] == ITEM_DONE]
@@ -198,7 +210,7 @@ def check_directs(directs: list, faults: list) -> list[Violation]:
     return out
 
 
-def check_http(answers: list) -> list[Violation]:
+def check_http(answers: list, faults: list = (), grace: float = 30) -> list[Violation]:
     out = []
     for a in answers:
         subject = f"{a['method']} {a['path']} -> {a['status']}"
@@ -209,6 +221,9 @@ def check_http(answers: list) -> list[Violation]:
             continue
         if a["status"] == 500 and code in DIRECT_500 and a["method"] == "POST" and \
                 a["path"].startswith("/lmsp/v1/responses"):
+            if "t" in a and not _during(faults, BREAKS_A_STREAM, a["t"] - grace, a["t"]):
+                out.append(Violation("http", subject, "server_restarted while no worker, engine or database "
+                                     "fault was under way", at=a["t"], body=a.get("body")))
             continue
         out.append(Violation("http", subject, "an undocumented 5xx", code=code,
                              content_type=a.get("content_type"), body=a.get("body")))
@@ -256,11 +271,22 @@ def check(history: dict) -> list[Violation]:
     for task_id, rec in tasks.items():
         out += check_task(task_id, rec)
     out += check_followers(tasks, history.get("followers", []))
-    out += check_directs(history.get("directs", []), faults)
-    out += check_http(history.get("http", []))
+    out += check_directs(history.get("directs", []), faults, 2 * history.get("lease_seconds", 30) + 10)
+    out += check_http(history.get("http", []), faults, 2 * history.get("lease_seconds", 30) + 10)
     out += check_idempotency(history.get("idempotency", []))
     out += check_ownerless(history.get("ownerless", []), faults, history.get("lease_seconds", 30),
                            history.get("sweep_seconds", 10))
     out += check_leftovers(history.get("leftovers", []))
     out += check_exits(history.get("exits", []))
     return out
+
+
+if __name__ == "__main__":  # check a stored run again: python -m tests.chaos.checker RUN/history.json
+    import json
+    import sys
+
+    found = check(json.loads(open(sys.argv[1]).read()))
+    for v in found:
+        print(v)
+    print(f"chaos: {len(found)} violations")
+    sys.exit(1 if found else 0)

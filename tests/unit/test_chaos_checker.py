@@ -146,6 +146,13 @@ def test_direct_streams():
     assert checker.check_directs([{**ok, "outcome": "http 503", "events": []}], []) == []
     failed = good_log()[:2] + [ev(3, "response.failed", status="failed", error={"code": "server_error"})]
     assert len(checker.check_directs([{**ok, "events": failed}], [])) == 1
+    restarted = good_log()[:2] + [ev(3, "response.failed", status="failed", error={"code": "server_restarted"})]
+    lost = {**ok, "started": 100, "ended": 104, "events": restarted}
+    assert checker.check_directs([lost], [{"kind": "engine_kill", "start": 103, "end": 103}]) == []
+    assert checker.check_directs([lost], [{"kind": "worker_kill", "start": 80, "end": 85}], grace=30) == []
+    # Nothing broke a worker near it (an engine killed long before, still reloading): not an outcome.
+    assert len(checker.check_directs([lost], [{"kind": "engine_kill", "start": 20, "end": 20}], grace=30)) == 1
+    assert len(checker.check_directs([lost], [{"kind": "api_kill", "start": 101, "end": 102}])) == 1
 
 
 def test_undocumented_5xx_is_a_violation():
@@ -156,6 +163,9 @@ def test_undocumented_5xx_is_a_violation():
            {"method": "POST", "path": "/lmsp/v1/tasks", "status": 503, "code": "overloaded", "retry_after": None},
            {"method": "POST", "path": "/lmsp/v1/tasks", "status": 500, "code": "server_restarted"}]
     assert len(checker.check_http(bad)) == 3
+    late = {"method": "POST", "path": "/lmsp/v1/responses", "status": 500, "code": "server_restarted", "t": 200}
+    assert checker.check_http([late], [{"kind": "worker_stop", "start": 180, "end": 195}]) == []
+    assert len(checker.check_http([late], [{"kind": "engine_kill", "start": 20, "end": 20}])) == 1
 
 
 def test_one_key_two_tasks_is_a_violation():
