@@ -316,8 +316,13 @@ class Cluster:
             try:
                 if self.marker in (p / "environ").read_bytes().split(b"\0") and \
                         (p / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    left.append({"pid": int(p.name), "cmdline": (p / "cmdline").read_bytes()
-                                 .replace(b"\0", b" ").decode(errors="replace")[:200]})
+                    env = dict(v.split(b"=", 1) for v in (p / "environ").read_bytes().split(b"\0") if b"=" in v)
+                    stat = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                    left.append({"pid": int(p.name), "ppid": int(stat[1]), "cmdline": (p / "cmdline").read_bytes()
+                                 .replace(b"\0", b" ").decode(errors="replace")[:200],
+                                 "worker_id": env.get(b"LMSP_WORKER_ID", b"").decode(),
+                                 "age_seconds": round(time.clock_gettime(time.CLOCK_BOOTTIME)
+                                                      - int(stat[19]) / os.sysconf("SC_CLK_TCK"))})
             except OSError:
                 continue
         for p in left:

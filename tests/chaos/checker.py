@@ -255,8 +255,8 @@ def check_ownerless(samples: list, faults: list, lease: float, sweep: float) -> 
 
 
 def check_leftovers(leftovers: list) -> list[Violation]:
-    return [Violation("process", f"pid {p['pid']}", "left behind after the run", cmdline=p["cmdline"])
-            for p in leftovers]
+    return [Violation("process", f"pid {p['pid']}", "left behind after the run",
+                      **{k: v for k, v in p.items() if k != "pid"}) for p in leftovers]
 
 
 def check_exits(exits: list) -> list[Violation]:

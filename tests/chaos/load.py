@@ -182,6 +182,7 @@ class Load:
             if resp.status_code != 200:
                 time.sleep(1)
                 return False
+            resp.encoding = "utf-8"  # SSE is UTF-8; requests would guess ISO-8859-1 for a text/* type
             for n, (seq, name, data) in enumerate(iter_sse(resp.iter_lines(decode_unicode=True)), 1):
                 if name == "error":  # the server cannot go on (6.3): resume from the last id
                     self.h.count("follower: error event")
@@ -237,6 +238,7 @@ class Load:
                     rec["outcome"] = f"http {resp.status_code}"  # a refusal (503 while no worker is up)
                     return
                 rec["outcome"] = "eof"
+                resp.encoding = "utf-8"
                 for seq, name, data in iter_sse(_until(resp.iter_lines(decode_unicode=True), deadline)):
                     rec["events"].append([seq, name, data])
                     if name in FINALS or name == "error":
