@@ -308,29 +308,37 @@ class Cluster:
                                    "t": round(self.h.now(), 1), "why": "did not exit within 90 s of SIGTERM",
                                    "tail": ""})
                 os.killpg(proc.pid, signal.SIGKILL)
-        time.sleep(2)
-        left = []
-        for p in Path("/proc").iterdir():
-            if not p.name.isdigit() or int(p.name) == os.getpid():
-                continue
-            try:
-                if self.marker in (p / "environ").read_bytes().split(b"\0") and \
-                        (p / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    env = dict(v.split(b"=", 1) for v in (p / "environ").read_bytes().split(b"\0") if b"=" in v)
-                    stat = (p / "stat").read_text().rsplit(")", 1)[1].split()
-                    left.append({"pid": int(p.name), "ppid": int(stat[1]), "cmdline": (p / "cmdline").read_bytes()
-                                 .replace(b"\0", b" ").decode(errors="replace")[:200],
-                                 "worker_id": env.get(b"LMSP_WORKER_ID", b"").decode(),
-                                 "age_seconds": round(time.clock_gettime(time.CLOCK_BOOTTIME)
-                                                      - int(stat[19]) / os.sysconf("SC_CLK_TCK"))})
-            except OSError:
-                continue
+        # What has not ended 15 s after its parents did is left behind (under load an exiting helper,
+        # such as multiprocessing's resource tracker cleaning up, may take a few seconds).
+        deadline = time.monotonic() + 15
+        while (left := self.survivors()) and time.monotonic() < deadline:
+            time.sleep(1)
         for p in left:
             try:
                 os.kill(p["pid"], signal.SIGKILL)
             except OSError:
                 pass
         self.stack.close()
+        return left
+
+    def survivors(self) -> list[dict]:
+        """The live processes that carry this run's marker, with what says where they come from."""
+        left = []
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit() or int(p.name) == os.getpid():
+                continue
+            try:
+                env = (p / "environ").read_bytes().split(b"\0")
+                stat = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                if self.marker not in env or stat[0] == "Z":
+                    continue
+                worker = next((v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"LMSP_WORKER_ID=")), "")
+                left.append({"pid": int(p.name), "ppid": int(stat[1]), "worker_id": worker,
+                             "cmdline": (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200],
+                             "age_seconds": round(time.clock_gettime(time.CLOCK_BOOTTIME)
+                                                  - int(stat[19]) / os.sysconf("SC_CLK_TCK"))})
+            except OSError:
+                continue
         return left
 
     def close(self) -> None:
