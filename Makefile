@@ -63,9 +63,10 @@ bench: model
 chaos: model
 	$(BIN)/python -m tests.chaos
 
-# Three minutes of faults on a fixed seed; with the engines' start and the settle, about 6-8 minutes here.
+# Three minutes of faults on a fixed seed (17965 draws seven kinds: a worker killed and one paused, an
+# engine killed, Postgres restarted, the api killed, Redis flushed, the Redis link stalled).
 chaos-short: model
-	LMSP_CHAOS_SECONDS=180 LMSP_CHAOS_SEED=20261108 $(BIN)/python -m tests.chaos
+	LMSP_CHAOS_SECONDS=180 LMSP_CHAOS_SEED=17965 $(BIN)/python -m tests.chaos
 
 lint: install
 	$(BIN)/ruff check api worker common migrations tests lmsp

@@ -71,6 +71,8 @@ class Cluster:
         self.base = f"http://127.0.0.1:{self.api_port}"
         self.held: set[str] = set()  # what a fault keeps down on purpose: the keeper leaves it alone
         self.exits: list[dict] = []
+        self.orphans: list[dict] = []           # processes a killed worker left that its successor did not end
+        self.orphan_seen: dict[int, float] = {}
         self.restarts: Counter = Counter()
         self.done = threading.Event()
 
@@ -113,8 +115,7 @@ class Cluster:
                 if name in self.held or proc.poll() is None:
                     continue
                 text = self.tail(self.worker_log(name), self.ready_from[name])
-                was_ready = " ready." in self.worker_log(name).read_bytes()[self.ready_from[name]:].decode(
-                    errors="replace")
+                was_ready = self.is_ready(name)
                 log(f"worker {name} exited by itself (rc {proc.returncode}, {'after' if was_ready else 'before'} "
                     "ready); starting it again")
                 if was_ready and proc.returncode != 72:
@@ -122,12 +123,33 @@ class Cluster:
                                        "why": "a ready worker ended by itself", "tail": text[-1500:]})
                 self.restarts[f"worker {name} (exited)"] += 1
                 self.start_worker(name)
+            self.watch_orphans()
             if "api" not in self.held and self.api is not None and self.api.poll() is not None:
                 self.exits.append({"name": "api", "rc": self.api.returncode, "t": round(self.h.now(), 1),
                                    "why": "the api ended by itself",
                                    "tail": self.tail(self.root / f"api-{self.api_port}.log")[-1500:]})
                 self.restarts["api (exited)"] += 1
                 self._restart_api()
+
+    def is_ready(self, name: str) -> bool:
+        """Whether the worker's current process said it is ready."""
+        return " ready." in self.worker_log(name).read_bytes()[self.ready_from[name]:].decode(errors="replace")
+
+    def watch_orphans(self) -> None:
+        """What a killed worker left (its engine, started or still starting, and their helpers) must be
+        gone once the next process of its id is ready: its boot ends them (DESIGN, "A killed worker leaves
+        vLLM's engine process behind"). One still there 10 s after that is left behind."""
+        now = self.h.now()
+        for p in self.survivors():
+            name = next((n for n, w in self.worker_ids.items() if w == p["worker_id"]), None)
+            proc = self.workers.get(name)
+            if proc is None or proc.poll() is not None or not self.is_ready(name) or _descends(p["pid"], proc.pid):
+                continue
+            first = self.orphan_seen.setdefault(p["pid"], now)
+            if now - first > 10 and p["pid"] not in {o["pid"] for o in self.orphans}:
+                log(f"left behind by worker {name}: {p}")
+                self.orphans.append({**p, "t": round(now, 1), "why": f"still alive 10 s after worker {name} "
+                                     "was ready again"})
 
     def _restart_api(self) -> None:
         for _ in range(10):
@@ -348,6 +370,17 @@ class Cluster:
         self.disk.close()
 
 
+def _descends(pid: int, ancestor: int) -> bool:
+    try:
+        while pid > 1:
+            if pid == ancestor:
+                return True
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def figures(history: dict, cluster: Cluster, h: History) -> list[str]:
     tasks = history["tasks"]
     by = Counter((r["policy"], (r.get("final") or {}).get("status"), (r.get("final") or {}).get("error_code"))
@@ -414,7 +447,7 @@ def main() -> int:
                    "directs": h.directs, "http": h.http, "ownerless": samples,
                    "idempotency": [{"key": k, "task_ids": sorted(v)} for k, v in h.keys.items()]}
         log("stopping every process")
-        history["leftovers"] = cluster.stop_all()
+        history["leftovers"] = cluster.orphans + cluster.stop_all()
         history["exits"] = cluster.exits
     except BaseException:
         traceback.print_exc()

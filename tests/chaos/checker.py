@@ -12,7 +12,8 @@ A history is a dict of plain JSON values:
 * ``http``: [{method, path, status, code, retry_after, content_type}] for every answer >= 500
 * ``ownerless``: [{t, id, status, attempt, why}] samples of live states nobody owns (lease expired)
 * ``faults``: [{kind, start, end, ...}] what the run broke, and when (monotonic seconds)
-* ``leftovers``: [{pid, cmdline}] processes of the run still alive after its teardown
+* ``leftovers``: [{pid, cmdline, why?}] processes of the run still alive after its teardown, or after the
+  worker that should have ended them was ready again
 * ``exits``: [{name, rc, t, why, tail}] a worker or api that ended on its own once ready, or would not
   end on SIGTERM
 * ``lease_seconds``, ``sweep_seconds``
@@ -255,8 +256,8 @@ def check_ownerless(samples: list, faults: list, lease: float, sweep: float) -> 
 
 
 def check_leftovers(leftovers: list) -> list[Violation]:
-    return [Violation("process", f"pid {p['pid']}", "left behind after the run",
-                      **{k: v for k, v in p.items() if k != "pid"}) for p in leftovers]
+    return [Violation("process", f"pid {p['pid']}", p.get("why", "left behind after the run"),
+                      **{k: v for k, v in p.items() if k not in ("pid", "why")}) for p in leftovers]
 
 
 def check_exits(exits: list) -> list[Violation]:
