@@ -65,6 +65,7 @@ chaos: model
 
 # Three minutes of faults on a fixed seed (17965 draws seven kinds: a worker killed and one paused, an
 # engine killed, Postgres restarted, the api killed, Redis flushed, the Redis link stalled).
+# Costs about 6 minutes here (two engines' start, 3 minutes of faults, the settle): not in `make test`.
 chaos-short: model
 	LMSP_CHAOS_SECONDS=180 LMSP_CHAOS_SEED=17965 $(BIN)/python -m tests.chaos
 
