@@ -27,5 +27,9 @@ def decode(body) -> str:
 def send(celery, queue_name: str, response_id: str) -> None:
     q = queue(queue_name)
     with celery.producer_or_acquire() as producer:  # the app's pooled connection
-        producer.publish(encode(response_id), exchange=q.exchange, routing_key=q.routing_key, declare=[q],
+        # Straight to the queue (the default exchange), not through the exchange's binding table in Redis:
+        # after a FLUSHALL on a live connection kombu still believes the table declared and routes the
+        # message nowhere, silently, for this and every re-send (the chaos run found direct responses
+        # left queued forever that way).
+        producer.publish(encode(response_id), exchange="", routing_key=q.name, declare=[q],
                          serializer="json", retry=True)

@@ -28,3 +28,28 @@ def test_queue_length_counts_every_priority(celery):
     finally:
         client.delete(*client.keys(queue + "*") or [queue])
     assert queue_length(celery, queue) == 0
+
+
+def test_an_interactive_message_survives_a_flushed_binding_table(celery):
+    """A Redis flushed under live connections loses kombu's binding tables while kombu still believes
+    them declared: a message routed through one vanishes. What FLUSHALL does to this queue, done to its
+    keys alone (the shared Redis stays as it is)."""
+    from common import interactive_wire
+    name = f"lmsp.test.{uuid.uuid4().hex[:8]}.interactive"
+    client = redis.Redis.from_url(REDIS_URL)
+    got = []
+    try:
+        interactive_wire.send(celery, name, "resp_before")
+        client.delete(*client.keys(f"_kombu.binding*{name}") or ["-"])
+        interactive_wire.send(celery, name, "resp_after")
+        with celery.connection_for_read() as conn, conn.Consumer(
+                interactive_wire.queue(name), accept=["json"],
+                callbacks=[lambda body, message: (got.append(interactive_wire.decode(body)), message.ack())]):
+            for _ in range(4):
+                try:
+                    conn.drain_events(timeout=1)
+                except TimeoutError:
+                    break
+    finally:
+        client.delete(*client.keys(f"*{name}*") or ["-"])
+    assert got == ["resp_before", "resp_after"]

@@ -1,0 +1,479 @@
+"""`make chaos`: the production shape (two workers of the default model, Postgres, Redis, one api) under
+mixed load and a seeded random schedule of faults, then a history check. See tests/chaos/__init__.py."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import psycopg
+
+from common.db import upgrade
+from tests.chaos import checker, faults
+from tests.chaos.load import History, Load
+from tests.chaos.servers import EventDisk, PgCluster, Proxy, RedisServer
+from tests.harness import Stack, engine_pids, free_port, model_entry
+
+SECONDS = float(os.environ.get("LMSP_CHAOS_SECONDS") or 1200)
+SEED = int(os.environ.get("LMSP_CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
+KINDS = [k for k in (os.environ.get("LMSP_CHAOS_FAULTS") or "").split(",") if k] or None
+SETTLE = float(os.environ.get("LMSP_CHAOS_SETTLE_SECONDS") or 420)  # after the faults, for every task to end
+# Shorter than production's 30 s so a run has room for many faults; heartbeats and sweeps keep its ratios.
+LEASE, HEARTBEAT, SWEEP, REQUEUE = 10, 2, 2, 5
+MODEL = "smollm2-135m"
+PRINCIPAL = "chaos"
+T0 = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[chaos {time.monotonic() - T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+class Cluster:
+    """The servers, the proxy in front of them, the api and the two workers; the faults act on these."""
+
+    def __init__(self, root: Path, history: History):
+        self.root, self.h = root, history
+        self.pg = PgCluster(root / "pg")
+        self.redis = RedisServer(root)
+        self.proxy = Proxy({"postgres": self.pg.port, "redis": self.redis.port})
+        with self.pg.connect() as conn:
+            conn.execute("CREATE DATABASE lmsp")
+        self.db_direct = self.pg.url(db="lmsp")  # the checker's own view, past the proxy
+        url = self.pg.url(self.proxy.ports["postgres"], "lmsp")
+        upgrade(url)
+        self.disk = EventDisk(root)
+        self.disk_problem = self.disk.arrange(self.pg, "lmsp")
+        redis_url = f"redis://127.0.0.1:{self.proxy.ports['redis']}/0"
+        self.stack = Stack(root, url, redis=False, models=[model_entry(MODEL)])
+        self.stack.env.update({
+            "LMSP_BROKER_URL": redis_url, "LMSP_REDIS_URL": redis_url,
+            "LMSP_LEASE_SECONDS": str(LEASE), "LMSP_HEARTBEAT_SECONDS": str(HEARTBEAT),
+            "LMSP_SWEEP_SECONDS": str(SWEEP), "LMSP_REQUEUE_AFTER_SECONDS": str(REQUEUE),
+            "LMSP_TASK_DELTA_WINDOW_MS": "200", "LMSP_DRAIN_SECONDS": "5", "LMSP_WORKER_METRICS_PORT": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1"})
+        self.marker = f"LMSP_DATABASE_URL={url}".encode()  # every process of this run carries it
+        run = uuid.uuid4().hex[:6]
+        self.worker_ids = {"a": f"chaos-{run}-a", "b": f"chaos-{run}-b"}
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.ready_from: dict[str, int] = {}  # where the current process's part of its log starts
+        self.api: subprocess.Popen | None = None
+        self.api_port = free_port()
+        self.base = f"http://127.0.0.1:{self.api_port}"
+        self.held: set[str] = set()  # what a fault keeps down on purpose: the keeper leaves it alone
+        self.exits: list[dict] = []
+        self.orphans: list[dict] = []           # processes a killed worker left that its successor did not end
+        self.orphan_seen: dict[int, float] = {}
+        self.restarts: Counter = Counter()
+        self.done = threading.Event()
+
+    # -- processes -----------------------------------------------------------------------------------
+    def start(self) -> str:
+        self.start_api()
+        token = self.stack.token(PRINCIPAL)
+        threads = [threading.Thread(target=self.start_worker, args=(n, True)) for n in self.worker_ids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return token
+
+    def worker_log(self, name: str) -> Path:
+        return self.root / f"worker-{self.worker_ids[name]}.log"
+
+    def start_worker(self, name: str, wait: bool = False) -> None:
+        log_file = self.worker_log(name)
+        self.ready_from[name] = log_file.stat().st_size if log_file.exists() else 0
+        if wait:
+            self.workers[name] = self.stack.start_worker(MODEL, self.worker_ids[name])
+        else:
+            self.workers[name] = self.stack.spawn([sys.executable, "-m", "worker", "--model", MODEL],
+                                                  log_file.name, LMSP_WORKER_ID=self.worker_ids[name])
+
+    def start_api(self) -> None:
+        self.stack.start_api(workers=1, threads=64, port=self.api_port)
+        self.api = self.stack.procs[-1]
+
+    def tail(self, path: Path, start: int = 0) -> str:
+        return path.read_bytes()[start:].decode(errors="replace")[-2500:] if path.exists() else ""
+
+    def keeper(self) -> None:
+        """A supervisor's job (compose, Kubernetes): start again what ended by itself. A worker that was
+        ready and ended on its own (not the exit 72 of a replaced id) is a violation; one that failed
+        at boot (its database unreachable, say) is only started again."""
+        while not self.done.wait(2):
+            for name, proc in list(self.workers.items()):
+                if name in self.held or proc.poll() is None:
+                    continue
+                text = self.tail(self.worker_log(name), self.ready_from[name])
+                was_ready = self.is_ready(name)
+                log(f"worker {name} exited by itself (rc {proc.returncode}, {'after' if was_ready else 'before'} "
+                    "ready); starting it again")
+                if was_ready and proc.returncode != 72:
+                    self.exits.append({"name": f"worker {name}", "rc": proc.returncode, "t": round(self.h.now(), 1),
+                                       "why": "a ready worker ended by itself", "tail": text[-1500:]})
+                self.restarts[f"worker {name} (exited)"] += 1
+                self.start_worker(name)
+            self.watch_orphans()
+            if "api" not in self.held and self.api is not None and self.api.poll() is not None:
+                self.exits.append({"name": "api", "rc": self.api.returncode, "t": round(self.h.now(), 1),
+                                   "why": "the api ended by itself",
+                                   "tail": self.tail(self.root / f"api-{self.api_port}.log")[-1500:]})
+                self.restarts["api (exited)"] += 1
+                self._restart_api()
+
+    def is_ready(self, name: str) -> bool:
+        """Whether the worker's current process said it is ready."""
+        return " ready." in self.worker_log(name).read_bytes()[self.ready_from[name]:].decode(errors="replace")
+
+    def watch_orphans(self) -> None:
+        """What a killed worker left (its engine, started or still starting, and their helpers) must be
+        gone once the next process of its id is ready: its boot ends them (DESIGN, "A killed worker leaves
+        vLLM's engine process behind"). One still there 10 s after that is left behind."""
+        now = self.h.now()
+        for p in self.survivors():
+            name = next((n for n, w in self.worker_ids.items() if w == p["worker_id"]), None)
+            proc = self.workers.get(name)
+            if proc is None or proc.poll() is not None or not self.is_ready(name) or _descends(p["pid"], proc.pid):
+                continue
+            first = self.orphan_seen.setdefault(p["pid"], now)
+            if now - first > 10 and p["pid"] not in {o["pid"] for o in self.orphans}:
+                log(f"left behind by worker {name}: {p}")
+                self.orphans.append({**p, "t": round(now, 1), "why": f"still alive 10 s after worker {name} "
+                                     "was ready again"})
+
+    def _restart_api(self) -> None:
+        for _ in range(10):
+            try:
+                self.start_api()
+                return
+            except (TimeoutError, OSError) as exc:
+                log(f"api did not start: {str(exc)[-300:]}")
+                time.sleep(2)
+
+    def engine_core(self, name: str) -> list[int]:
+        out = []
+        for pid in engine_pids(self.worker_ids[name]):
+            try:
+                if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out.append(pid)
+            except OSError:
+                continue
+        return out
+
+    # -- faults --------------------------------------------------------------------------------------
+    def inject(self, fault: dict) -> dict:
+        rec = {"kind": fault["kind"], "target": fault["target"], "planned": fault["at"],
+               "start": round(self.h.now(), 1), "end": None, "note": ""}
+        try:
+            rec["note"] = getattr(self, "_" + fault["kind"])(fault["target"], fault["hold"]) or ""
+        except Exception as exc:  # noqa: BLE001 - the driver's own failure: shown, and the run goes on
+            rec["note"] = f"injection failed: {type(exc).__name__}: {exc}"[:300]
+            log(traceback.format_exc())
+        rec["end"] = round(self.h.now(), 1)
+        return rec
+
+    def _worker_kill(self, name, hold):
+        self.held.add(name)
+        try:
+            proc = self.workers[name]
+            proc.kill()  # the worker alone: its engine is left behind, as after a real crash
+            proc.wait(30)
+            left = self.engine_core(name)
+            time.sleep(hold)
+            self.start_worker(name)
+            return f"engine left behind: {left}"
+        finally:
+            self.held.discard(name)
+
+    def _worker_stop(self, name, hold):
+        pid = self.workers[name].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(hold)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    def _engine_kill(self, name, _hold):
+        cores = self.engine_core(name)
+        for pid in cores:
+            os.kill(pid, signal.SIGKILL)
+        return f"killed {cores}" if cores else "no engine up (loading): nothing killed"
+
+    def _redis_restart(self, _target, hold):
+        self.redis.stop()
+        time.sleep(hold)
+        self.redis.start()
+
+    def _redis_flush(self, _target, _hold):
+        self.redis.client().flushall()
+
+    def _postgres_restart(self, mode, hold):
+        self.pg.stop(mode)
+        time.sleep(hold)
+        self.pg.start()
+
+    def _api_kill(self, _target, hold):
+        self.held.add("api")
+        try:
+            os.killpg(self.api.pid, signal.SIGKILL)
+            self.api.wait(30)
+            time.sleep(hold)
+            self._restart_api()
+        finally:
+            self.held.discard("api")
+
+    def _proxy_cut(self, link, hold):
+        self.proxy.set_cut(link, True)
+        try:
+            time.sleep(hold)
+        finally:
+            self.proxy.set_cut(link, False)
+
+    def _proxy_stall(self, link, hold):
+        self.proxy.set_stall(link, True)
+        try:
+            time.sleep(hold)
+        finally:
+            self.proxy.set_stall(link, False)
+
+    def _disk_full(self, _target, hold):
+        if self.disk_problem:
+            return f"skipped: {self.disk_problem}"
+        self.disk.fill()
+        try:
+            time.sleep(hold)
+        finally:
+            self.disk.free()
+
+    # -- observation ---------------------------------------------------------------------------------
+    OWNERLESS = """
+        WITH now AS (SELECT EXTRACT(EPOCH FROM clock_timestamp()) AS t)
+        SELECT t.id, t.status, t.attempt, t.worker_id, (SELECT now.t FROM now) - w.heartbeat_at, w.stopped_at
+        FROM tasks t LEFT JOIN workers w ON w.id = t.worker_id
+        WHERE t.status IN ('loading', 'running', 'cancelling') AND t.worker_id IS NOT NULL
+          AND (w.id IS NULL OR w.stopped_at IS NOT NULL OR w.heartbeat_at < (SELECT now.t FROM now) - %(lease)s)
+        UNION ALL
+        SELECT r.id, r.status, 0, r.worker_id, (SELECT now.t FROM now) - w.heartbeat_at, w.stopped_at
+        FROM responses r LEFT JOIN workers w ON w.id = r.worker_id
+        WHERE r.status IN ('queued', 'in_progress') AND r.worker_id IS NOT NULL
+          AND NOT EXISTS (SELECT 1 FROM tasks x WHERE x.response_id = r.id)
+          AND (w.id IS NULL OR w.stopped_at IS NOT NULL OR w.heartbeat_at < (SELECT now.t FROM now) - %(lease)s)"""
+
+    def sampler(self, samples: list) -> None:
+        """Every 2 s: the live states whose owner's lease has expired (the checker judges how long)."""
+        while not self.done.wait(2):
+            try:
+                with psycopg.connect(self.db_direct, autocommit=True, connect_timeout=2) as conn:
+                    rows = conn.execute(self.OWNERLESS, {"lease": LEASE}).fetchall()
+            except psycopg.Error:
+                continue  # Postgres is down: that fault's window excuses it
+            t = round(self.h.now(), 1)
+            samples += [{"t": t, "id": r[0], "status": r[1], "attempt": r[2],
+                         "why": f"owner {r[3]}: " + ("gone" if r[4] is None else
+                                                     "stopped" if r[5] else f"heartbeat {r[4]:.0f}s old")}
+                        for r in rows]
+
+    def unfinished(self) -> int:
+        with psycopg.connect(self.db_direct, autocommit=True, connect_timeout=5) as conn:
+            return conn.execute("SELECT count(*) FROM tasks WHERE status NOT IN ('succeeded', 'failed', "
+                                "'cancelled')").fetchone()[0]
+
+    def collect(self, load: Load) -> dict:
+        """Every task the database holds for the run's principal (also one whose 202 was lost), its
+        state as the api answers it, and its log as Postgres has it."""
+        http = load.session()
+        out = {}
+        with psycopg.connect(self.db_direct, autocommit=True) as conn:
+            rows = conn.execute("SELECT id, response_id, on_restart FROM tasks WHERE principal_id = %s",
+                                (PRINCIPAL,)).fetchall()
+            for task_id, response_id, policy in rows:
+                rec = dict(self.h.tasks.get(task_id) or {"policy": policy, "cancel": None, "key": None})
+                rec["policy"] = policy
+                rec["log"] = [[seq, name, json.loads(data)] for seq, name, data in conn.execute(
+                    "SELECT seq, name, data FROM events WHERE response_id = %s ORDER BY seq", (response_id,))]
+                resp = http.get(f"{self.base}/lmsp/v1/tasks/{task_id}", timeout=30)
+                if resp.ok:
+                    task = resp.json()
+                    text = "".join(p.get("text", "") for item in ((task.get("response") or {}).get("output") or [])
+                                   if item.get("type") == "message" for p in item.get("content") or [])
+                    rec["final"] = {"status": task["status"], "error_code": (task.get("error") or {}).get("code"),
+                                    "error": task.get("error"), "text": text}
+                else:
+                    rec["final"] = None
+                out[task_id] = rec
+        return out
+
+    def stop_all(self) -> list[dict]:
+        """Each process as its operator stops it (SIGTERM to the worker alone, as Kubernetes does; to
+        gunicorn's master); then whatever of this run is still alive is left behind: noted, then killed."""
+        self.done.set()
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        if self.api is not None and self.api.poll() is None:
+            self.api.send_signal(signal.SIGTERM)
+        for name, proc in [*self.workers.items(), ("api", self.api)]:
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.exits.append({"name": name if name == "api" else f"worker {name}", "rc": None,
+                                   "t": round(self.h.now(), 1), "why": "did not exit within 90 s of SIGTERM",
+                                   "tail": ""})
+                os.killpg(proc.pid, signal.SIGKILL)
+        # What has not ended 15 s after its parents did is left behind (under load an exiting helper,
+        # such as multiprocessing's resource tracker cleaning up, may take a few seconds).
+        deadline = time.monotonic() + 15
+        while (left := self.survivors()) and time.monotonic() < deadline:
+            time.sleep(1)
+        for p in left:
+            try:
+                os.kill(p["pid"], signal.SIGKILL)
+            except OSError:
+                pass
+        self.stack.close()
+        return left
+
+    def survivors(self) -> list[dict]:
+        """The live processes that carry this run's marker, with what says where they come from."""
+        left = []
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit() or int(p.name) == os.getpid():
+                continue
+            try:
+                env = (p / "environ").read_bytes().split(b"\0")
+                stat = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                if self.marker not in env or stat[0] == "Z":
+                    continue
+                worker = next((v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"LMSP_WORKER_ID=")), "")
+                left.append({"pid": int(p.name), "ppid": int(stat[1]), "worker_id": worker,
+                             "cmdline": (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200],
+                             "age_seconds": round(time.clock_gettime(time.CLOCK_BOOTTIME)
+                                                  - int(stat[19]) / os.sysconf("SC_CLK_TCK"))})
+            except OSError:
+                continue
+        return left
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.redis.close()
+        self.pg.close()
+        self.disk.close()
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    try:
+        while pid > 1:
+            if pid == ancestor:
+                return True
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def figures(history: dict, cluster: Cluster, h: History) -> list[str]:
+    tasks = history["tasks"]
+    by = Counter((r["policy"], (r.get("final") or {}).get("status"), (r.get("final") or {}).get("error_code"))
+                 for r in tasks.values())
+    logs = {n: cluster.worker_log(n).read_text(errors="replace") if cluster.worker_log(n).exists() else ""
+            for n in cluster.worker_ids}
+    marks = sum(1 for r in tasks.values() for e in r["log"] if e[1] == checker.MARK)
+    lines = [f"tasks: {len(tasks)} in the database, {h.counts.get('tasks accepted', 0)} accepted by a 202, "
+             f"{h.counts.get('idempotent replays', 0)} idempotent replays",
+             "outcomes (policy, status, error): " + ", ".join(f"{k}={v}" for k, v in sorted(by.items(), key=str)),
+             f"events in the log: {sum(len(r['log']) for r in tasks.values())}; attempt markers: {marks}",
+             f"followers: {len(history['followers'])} "
+             f"({Counter(f['transport'] for f in history['followers'])}), "
+             f"{sum(f['reconnects'] for f in history['followers'])} reconnects",
+             f"direct streams: {Counter(d['outcome'] for d in history['directs'])}; failed ones by detail: "
+             f"{Counter(((d['events'][-1][2].get('error') or {}).get('detail') or '')[:60] for d in history['directs'] if d['events'] and d['events'][-1][1] == 'response.failed')}",
+             "takeovers: " + ", ".join(f"{n}={t.count('took over')}" for n, t in logs.items()) +
+             "; engines reloaded: " + ", ".join(f"{n}={t.count('a new engine is loaded')}" for n, t in logs.items()),
+             f"restarts by the keeper: {dict(cluster.restarts)}",
+             "client counts: " + ", ".join(f"{k}={v}" for k, v in sorted(h.counts.items()))]
+    return lines
+
+
+def main() -> int:
+    rng = random.Random(SEED)
+    plan = faults.schedule(SEED, SECONDS, LEASE, KINDS)
+    root = Path(tempfile.mkdtemp(prefix=f"lmsp-chaos-{SEED}-"))
+    os.chmod(root, 0o755)
+    print(f"chaos: seed {SEED}, {SECONDS:.0f} s, run folder {root}", flush=True)
+    print("schedule:", flush=True)
+    for f in plan:
+        print(f"  t={f['at']:7.1f}s {f['kind']:<17} {f['target']:<9} hold {f['hold']:.1f}s", flush=True)
+    h = History(time.monotonic())
+    cluster = Cluster(root, h)
+    done_faults: list[dict] = []
+    samples: list[dict] = []
+    history: dict = {}
+    try:
+        log(f"starting the api and two workers (disk fault: {cluster.disk_problem or 'arranged'})")
+        token = cluster.start()
+        h.t0 = time.monotonic()  # the schedule's clock starts with the load
+        load = Load(cluster.base, token, MODEL, h, rng)
+        load.start()
+        for target in (cluster.keeper, lambda: cluster.sampler(samples)):
+            threading.Thread(target=target, daemon=True).start()
+        for f in plan:
+            wait = f["at"] - h.now()
+            if wait > 0:
+                time.sleep(wait)
+            log(f"fault {f['kind']} {f['target']} for {f['hold']:.1f}s")
+            done_faults.append(cluster.inject(f))
+        time.sleep(max(0.0, SECONDS - h.now()))
+        log("the faults are over: no new work; waiting for every task to end")
+        load.stop.set()
+        deadline = time.monotonic() + SETTLE
+        load.join(SETTLE)
+        while time.monotonic() < deadline and cluster.unfinished():
+            time.sleep(2)
+        load.give_up.set()
+        load.join(30)
+        log("collecting the history")
+        history = {"seed": SEED, "seconds": SECONDS, "lease_seconds": LEASE, "sweep_seconds": SWEEP,
+                   "faults": done_faults, "tasks": cluster.collect(load), "followers": h.followers,
+                   "directs": h.directs, "http": h.http, "ownerless": samples,
+                   "idempotency": [{"key": k, "task_ids": sorted(v)} for k, v in h.keys.items()]}
+        log("stopping every process")
+        history["leftovers"] = cluster.orphans + cluster.stop_all()
+        history["exits"] = cluster.exits
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        try:
+            if "leftovers" not in history:  # the run broke off: end its processes all the same
+                cluster.stop_all()
+        finally:
+            cluster.close()
+    (root / "history.json").write_text(json.dumps(history, default=str))
+    violations = checker.check(history)
+    print("faults:", flush=True)
+    for f in done_faults:
+        print(f"  {f['start']:7.1f}-{f['end']:7.1f}s {f['kind']:<17} {f['target']:<9} {f['note']}", flush=True)
+    print("figures:", flush=True)
+    for line in figures(history, cluster, h):
+        print("  " + line, flush=True)
+    by_check = Counter(v["check"] for v in violations)
+    print(f"violations: {dict(by_check) or 'none'}", flush=True)
+    for v in violations:
+        print("  " + str(v), flush=True)
+    print(f"history: {root / 'history.json'}; logs: {root}", flush=True)
+    print(f"chaos: {len(violations)} violations", flush=True)
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

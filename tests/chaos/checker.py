@@ -1,0 +1,293 @@
+"""The history check of a chaos run (in the spirit of Jepsen's): pure functions over what the run
+recorded, so crafted histories can prove each check fails when it should (tests/unit/test_chaos_checker.py).
+
+A history is a dict of plain JSON values:
+
+* ``tasks``: task id -> {policy, cancel (None or the status the cancel answered), final (None when the
+  task could not be read, else {status, error_code, text}), log ([seq, name, data] from Postgres)}
+* ``followers``: [{task_id, transport, events: [[seq, name, data]...], finished, reconnects}]
+* ``directs``: [{started, ended, events, outcome: "final" | "error" | "eof" | "broken" | "hung" | "open" |
+  "http NNN", detail}]
+* ``idempotency``: [{key, task_ids: the distinct task ids its answers carried}]
+* ``http``: [{method, path, status, code, retry_after, content_type}] for every answer >= 500
+* ``ownerless``: [{t, id, status, attempt, why}] samples of live states nobody owns (lease expired)
+* ``faults``: [{kind, start, end, ...}] what the run broke, and when (monotonic seconds)
+* ``leftovers``: [{pid, cmdline, why?}] processes of the run still alive after its teardown, or after the
+  worker that should have ended them was ready again
+* ``exits``: [{name, rc, t, why, tail}] a worker or api that ended on its own once ready, or would not
+  end on SIGTERM
+* ``lease_seconds``, ``sweep_seconds``
+"""
+
+from collections import defaultdict
+
+FINALS = {"response.completed": "succeeded", "response.incomplete": "succeeded",
+          "response.failed": "failed", "response.cancelled": "cancelled"}
+TERMINAL = {"succeeded", "failed", "cancelled"}
+MARK = "response.attempt.started"
+ITEM_ADDED = "response.output_item.added"
+ITEM_DONE = "response.output_item.done"
+DELTA = "response.output_text.delta"
+# The documented 5xx answers (README "When things go wrong", 9.3): a retryable 503 with Retry-After, and a
+# synchronous direct response whose worker or engine died under it.
+RETRYABLE_503 = {"overloaded", "model_unavailable"}
+DIRECT_500 = {"server_restarted"}
+# What a direct stream may end with when it fails: its worker went away, or no worker serves the model.
+DIRECT_FAILURES = {"server_restarted", "model_unavailable"}
+
+
+class Violation(dict):
+    """One broken property, with the evidence a reader needs to see it is real."""
+
+    def __init__(self, check: str, subject: str, what: str, **evidence):
+        super().__init__(check=check, subject=subject, what=what, evidence=evidence)
+
+    def __str__(self) -> str:
+        ev = "; ".join(f"{k}={_short(v)}" for k, v in self["evidence"].items())
+        return f"[{self['check']}] {self['subject']}: {self['what']}" + (f" ({ev})" if ev else "")
+
+
+def _short(value, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"...<{len(text) - limit} more chars>"
+
+
+def last_attempt(events: list) -> list:
+    """The events after the last response.attempt.started: what a client keeps after a retry."""
+    marks = [i for i, e in enumerate(events) if e[1] == MARK]
+    return events[marks[-1] + 1:] if marks else events
+
+
+def text_of(events: list) -> str:
+    return "".join(e[2].get("delta", "") for e in events if e[1] == DELTA)
+
+
+def stream_shape(subject: str, events: list, check: str) -> list[Violation]:
+    """Ids 1..N with no gap or repeat, response.created first, exactly one final event and it is last."""
+    out = []
+    ids = [e[0] for e in events]
+    if ids != list(range(1, len(ids) + 1)):
+        bad = next((i for i, s in enumerate(ids) if s != i + 1), None)
+        out.append(Violation(check, subject, "event ids are not contiguous from 1",
+                             first_bad_index=bad, ids_around=ids[max(0, (bad or 0) - 3):(bad or 0) + 4],
+                             count=len(ids)))
+    if not events or events[0][1] != "response.created":
+        out.append(Violation(check, subject, "the stream does not start with response.created",
+                             first=events[0][:2] if events else None))
+    finals = [e for e in events if e[1] in FINALS]
+    if len(finals) != 1:
+        out.append(Violation(check, subject, f"{len(finals)} final events instead of exactly one",
+                             finals=[f[:2] for f in finals]))
+    elif events[-1][1] not in FINALS:
+        out.append(Violation(check, subject, "events follow the final event",
+                             final=finals[0][:2], after=[e[:2] for e in events[events.index(finals[0]) + 1:]][:5]))
+    return out
+
+
+def check_task(task_id: str, rec: dict) -> list[Violation]:
+    final, log, policy = rec.get("final"), rec.get("log") or [], rec.get("policy")
+    if final is None or final.get("status") not in TERMINAL:
+        return [Violation("terminal", task_id, "the accepted task never reached a terminal state",
+                          status=final and final.get("status"), policy=policy, log_tail=[e[:2] for e in log[-5:]])]
+    out = stream_shape(task_id, log, "log")
+    status, code = final["status"], final.get("error_code")
+    finals = [e for e in log if e[1] in FINALS]
+    if finals and FINALS[finals[-1][1]] != status:
+        out.append(Violation("final-event", task_id, f"the final event {finals[-1][1]} does not match the "
+                             f"task's status {status}", final_event=finals[-1]))
+    if finals and status == "failed" and (finals[-1][2].get("error") or {}).get("code") != code:
+        out.append(Violation("final-event", task_id, "the failed event's error differs from the task's",
+                             event_error=finals[-1][2].get("error"), task_error=code))
+    marks = [e for e in log if e[1] == MARK]
+    tail = last_attempt(log)
+    items = [e for e in tail if e[1] == ITEM_ADDED]
+    # -- the policy (7.5, README "When things go wrong") ---------------------------------------------
+    if status == "cancelled" and rec.get("cancel") is None:
+        out.append(Violation("policy", task_id, "cancelled although nobody cancelled it", policy=policy))
+    if rec.get("cancel") in ("cancelling", "cancelled") and status != "cancelled":
+        out.append(Violation("policy", task_id, f"the cancel answered {rec['cancel']!r} but the task ended "
+                             f"{status}", policy=policy))
+    if status == "failed":
+        if code == "server_restarted" and policy != "fail":
+            out.append(Violation("policy", task_id, f"a {policy} task failed with server_restarted",
+                                 error=final.get("error")))
+        elif code != "server_restarted":
+            out.append(Violation("policy", task_id, f"failed with {code}, not an outcome of its policy "
+                                 f"({policy}) for a restart", error=final.get("error")))
+    if policy in ("fail", "resume") and marks:
+        out.append(Violation("policy", task_id, f"a {policy} task started again from scratch",
+                             marks=[m[:2] for m in marks]))
+    if len(items) > 1:
+        out.append(Violation("policy", task_id, f"{len(items)} output items in one attempt (a {policy} task "
+                             "ran twice without a marker)", items=[i[:2] for i in items]))
+    # -- the text: what the last attempt streamed is the output ----------------------------------------
+    if status == "succeeded":
+        streamed = text_of(tail)
+        if final.get("text") != streamed:
+            out.append(Violation("text", task_id, "the final text differs from the streamed text of the last "
+                                 "attempt", policy=policy, output=final.get("text"), streamed=streamed))
+        done = [e for e in tail if e[1] == ITEM_DONE]
+        if done and (done[-1][2]["item"].get("content") or [{}])[0].get("text") != streamed:
+            out.append(Violation("text", task_id, "output_item.done carries another text than its deltas",
+                                 done=done[-1][2]["item"], streamed=streamed))
+    return out
+
+
+def check_followers(tasks: dict, followers: list) -> list[Violation]:
+    out = []
+    for n, f in enumerate(followers):
+        subject = f"{f['task_id']} follower #{n} ({f['transport']}, {f.get('reconnects', 0)} reconnects)"
+        log = (tasks.get(f["task_id"]) or {}).get("log")
+        if not f.get("finished"):
+            out.append(Violation("follower", subject, "the follower never received the final event",
+                                 seen=len(f["events"]), last=f["events"][-1][:2] if f["events"] else None,
+                                 log_len=len(log or [])))
+            continue
+        if log is None:
+            continue
+        seen = [list(e) for e in f["events"]]
+        if seen != [list(e) for e in log]:
+            diff = next((i for i, (a, b) in enumerate(zip(seen, log, strict=False)) if list(a) != list(b)),
+                        min(len(seen), len(log)))
+            out.append(Violation("follower", subject, "the follower did not see exactly the log",
+                                 first_difference_at=diff, seen=seen[diff:diff + 2], log=log[diff:diff + 2],
+                                 seen_len=len(seen), log_len=len(log)))
+    return out
+
+
+def _during(faults: list, kinds: set, start: float, end: float) -> bool:
+    return any(f["kind"] in kinds and f["start"] <= end and (f.get("end") or f["start"]) >= start - 1
+               for f in faults)
+
+
+BREAKS_A_STREAM = {"worker_kill", "worker_stop", "engine_kill", "postgres_restart", "proxy_cut", "proxy_stall",
+                   "disk_full"}
+
+
+def check_directs(directs: list, faults: list, grace: float = 30) -> list[Violation]:
+    """``grace``: how long after a fault its effects may still end a stream (a lease or two)."""
+    out = []
+    for n, d in enumerate(directs):
+        subject = f"direct stream #{n}"
+        if d["outcome"] == "broken":
+            # Only the api's death cuts a stream's connection (6.3: failures are events, not broken lines).
+            if not _during(faults, {"api_kill"}, d["started"], d["ended"]):
+                out.append(Violation("direct", subject, "the connection broke with no api killed",
+                                     detail=d.get("detail"), received=len(d["events"])))
+            continue
+        if d["outcome"] == "eof":
+            out.append(Violation("direct", subject, "the stream ended without a final or error event",
+                                 received=len(d["events"]), last=d["events"][-1][:2] if d["events"] else None))
+            continue
+        if d["outcome"].startswith("http"):
+            continue  # refused with a status: check_http judges it
+        if d["outcome"] in ("hung", "open"):
+            out.append(Violation("direct", subject, "the response never ended (open for 300 s, or still open "
+                                 "after the run's settle)", started=d["started"],
+                                 detail=d.get("detail"), received=len(d["events"]),
+                                 last=d["events"][-1][:2] if d["events"] else None))
+            continue
+        if d["outcome"] == "error":
+            continue  # an `error` event: documented (6.3), the stream cannot go on
+        out += stream_shape(subject, d["events"], "direct")
+        final = d["events"][-1] if d["events"] else None
+        if final and final[1] == "response.failed":
+            code = (final[2].get("error") or {}).get("code")
+            if code not in DIRECT_FAILURES:
+                out.append(Violation("direct", subject, f"failed with {code}", error=final[2].get("error")))
+            elif code == "server_restarted" and not _during(faults, BREAKS_A_STREAM, d["started"] - grace,
+                                                            d["ended"]):
+                # A worker that died or lost its engine (or its lease) fails its streams; while none did, a
+                # person must not get server_restarted (README; issue 21 #3: no claims while reloading).
+                out.append(Violation("direct", subject, "failed with server_restarted while no worker, engine "
+                                     "or database fault was under way", started=d["started"], ended=d["ended"],
+                                     error=final[2].get("error")))
+        elif final and final[1] in ("response.completed", "response.incomplete"):
+            tail = last_attempt(d["events"])
+            done = [e for e in tail if e[1] == ITEM_DONE]
+            if done and (done[-1][2]["item"].get("content") or [{}])[0].get("text") != text_of(tail):
+                out.append(Violation("text", subject, "output_item.done carries another text than its deltas",
+                                     done=done[-1][2]["item"], streamed=text_of(tail)))
+    return out
+
+
+def check_http(answers: list, faults: list = (), grace: float = 30) -> list[Violation]:
+    out = []
+    for a in answers:
+        subject = f"{a['method']} {a['path']} -> {a['status']}"
+        code = a.get("code")
+        if a["status"] == 503 and code in RETRYABLE_503:
+            if not a.get("retry_after"):
+                out.append(Violation("http", subject, "a 503 without Retry-After", code=code))
+            continue
+        if a["status"] == 500 and code in DIRECT_500 and a["method"] == "POST" and \
+                a["path"].startswith("/lmsp/v1/responses"):
+            if "t" in a and not _during(faults, BREAKS_A_STREAM, a["t"] - grace, a["t"]):
+                out.append(Violation("http", subject, "server_restarted while no worker, engine or database "
+                                     "fault was under way", at=a["t"], body=a.get("body")))
+            continue
+        out.append(Violation("http", subject, "an undocumented 5xx", code=code,
+                             content_type=a.get("content_type"), body=a.get("body")))
+    return out
+
+
+def check_idempotency(records: list) -> list[Violation]:
+    return [Violation("idempotency", f"key {r['key']}", "one Idempotency-Key answered with several tasks",
+                      task_ids=r["task_ids"]) for r in records if len(set(r["task_ids"])) > 1]
+
+
+def check_ownerless(samples: list, faults: list, lease: float, sweep: float) -> list[Violation]:
+    """A live state whose owner's lease expired must be handed on within a lease and a sweep or two, once
+    nothing stops the sweepers (a fault that cuts off Postgres, or stops every worker, holds them back)."""
+    grace = lease + 2 * sweep + 5
+    runs: dict[tuple, list[float]] = defaultdict(list)
+    for s in samples:
+        runs[(s["id"], s["status"], s["attempt"])].append(s["t"])
+    out = []
+    for (sid, status, attempt), times in runs.items():
+        quiet = [t for t in times if not any(f["start"] - 1 <= t <= (f.get("end") or f["start"]) + grace
+                                             for f in faults)]
+        if quiet and max(quiet) - min(times) > grace and max(quiet) - min(quiet) > lease:
+            out.append(Violation("owner", sid, f"{status} (attempt {attempt}) without a live owner for "
+                                 f"{max(quiet) - min(times):.0f}s", first_seen=round(min(times), 1),
+                                 last_seen=round(max(times), 1), samples=len(times),
+                                 why=next(s["why"] for s in samples if s["id"] == sid)))
+    return out
+
+
+def check_leftovers(leftovers: list) -> list[Violation]:
+    return [Violation("process", f"pid {p['pid']}", p.get("why", "left behind after the run"),
+                      **{k: v for k, v in p.items() if k not in ("pid", "why")}) for p in leftovers]
+
+
+def check_exits(exits: list) -> list[Violation]:
+    return [Violation("process", e["name"], e["why"], rc=e.get("rc"), at=e.get("t"), log_tail=e.get("tail"))
+            for e in exits]
+
+
+def check(history: dict) -> list[Violation]:
+    tasks = history.get("tasks", {})
+    faults = history.get("faults", [])
+    out = []
+    for task_id, rec in tasks.items():
+        out += check_task(task_id, rec)
+    out += check_followers(tasks, history.get("followers", []))
+    out += check_directs(history.get("directs", []), faults, 2 * history.get("lease_seconds", 30) + 10)
+    out += check_http(history.get("http", []), faults, 2 * history.get("lease_seconds", 30) + 10)
+    out += check_idempotency(history.get("idempotency", []))
+    out += check_ownerless(history.get("ownerless", []), faults, history.get("lease_seconds", 30),
+                           history.get("sweep_seconds", 10))
+    out += check_leftovers(history.get("leftovers", []))
+    out += check_exits(history.get("exits", []))
+    return out
+
+
+if __name__ == "__main__":  # check a stored run again: python -m tests.chaos.checker RUN/history.json
+    import json
+    import sys
+
+    found = check(json.loads(open(sys.argv[1]).read()))
+    for v in found:
+        print(v)
+    print(f"chaos: {len(found)} violations")
+    sys.exit(1 if found else 0)
