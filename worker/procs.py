@@ -25,8 +25,9 @@ def mark_deployment(database_url: str) -> None:
 
 
 def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
-    """SIGKILL the vLLM processes (EngineCore and its Worker) carrying ``tag`` (and this process's
-    deployment, once ``mark_deployment`` ran).
+    """SIGKILL the vLLM processes (EngineCore and its Worker, also while starting, and the killed
+    worker's multiprocessing resource tracker) carrying ``tag`` (and this process's deployment, once
+    ``mark_deployment`` ran).
 
     A SIGKILLed worker leaves its engine running (on a GPU, holding the card's
     memory); call this at boot, before start(), with the worker's stable id as
@@ -42,7 +43,10 @@ def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
             continue
         pid = int(proc.name)
         try:
-            if not (proc / "cmdline").read_bytes().startswith(title):
+            cmdline = (proc / "cmdline").read_bytes()
+            # An engine still starting has not renamed itself yet (it is a multiprocessing spawn child),
+            # and a killed worker's resource tracker outlives it too: both carry the markers as well.
+            if not (cmdline.startswith(title) or b"multiprocessing" in cmdline):
                 continue
             if not markers <= set((proc / "environ").read_bytes().split(b"\0")):
                 continue
