@@ -10,7 +10,7 @@ from common.broker import make_celery
 from common.bus import Publisher
 from common.db import ensure_migrated, make_engine, session_factory
 from common.prompt import load_tokenizer
-from common.registry import Registry
+from common.registry import Registry, local_checkpoint
 from common.settings import Settings, get_settings
 
 log = logging.getLogger("lmsp.api")
@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     # requests (transformers' lazy imports are not safe to race from many threads).
     for spec in app.extensions["lmsp"].registry.models.values():
         try:
-            load_tokenizer(spec.checkpoint)
+            load_tokenizer(local_checkpoint(spec))
         except (OSError, ValueError) as exc:
             log.warning("model %s: no tokenizer at %s (%s); its requests will be refused",
                         spec.id, spec.checkpoint, exc)

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from common.errors import LMSPError
-from common.settings import ConfigError
+from common.settings import ConfigError, get_settings
 
 ENGINE_KINDS = ("vllm", "sim")
 
@@ -29,7 +29,8 @@ class Capabilities(BaseModel):
 
 class ModelSpec(BaseModel):
     id: str
-    checkpoint: str
+    checkpoint: str            # a local folder, a .gguf file, or a Hugging Face repo id ("org/name")
+    revision: str | None = None  # of a repo id: a branch, tag or commit (pin a commit: every host gets the same)
     context_window: int
     max_output_tokens: int
     # vLLM engine arguments (dtype, max_model_len, max_num_seqs, ...), or the simulated engine: `sim`, or
@@ -82,6 +83,122 @@ class ModelSpec(BaseModel):
 
 def queue_name(model_id: str) -> str:
     return "lmsp.model." + re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
+
+
+# -- where a model's files come from ----------------------------------------------------------------
+# A repo's files vLLM and the api need: config, tokenizer, chat template, safetensors weights (never the
+# .bin / .gguf / onnx copies many repos also carry, which would double the download).
+HUB_WEIGHTS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
+HUB_TOKENIZER = ["*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt"]  # the api's share: no weights
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class CheckpointMissing(FileNotFoundError):
+    """A model's files are not on this machine; the message says how to get them."""
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str                 # "folder", "gguf" or "hub"
+    checkpoint: str
+    revision: str | None = None
+
+    def describe(self) -> str:
+        return {"folder": "folder ", "gguf": "gguf "}.get(self.kind, "hub ") + self.checkpoint + \
+            (f"@{self.revision}" if self.revision else "")
+
+
+def source_of(spec: ModelSpec) -> Source:
+    path = Path(spec.checkpoint).expanduser()
+    if path.suffix == ".gguf":
+        return Source("gguf", str(path))
+    if not path.is_absolute() and not path.exists() and not spec.checkpoint.startswith((".", "~")) \
+            and _REPO_ID.fullmatch(spec.checkpoint):
+        return Source("hub", spec.checkpoint, spec.revision)
+    return Source("folder", str(path))
+
+
+def imported_dir(model_id: str) -> Path:
+    """Where a GGUF model's converted checkpoint lives (``lmsp models import-gguf`` / ``pull``)."""
+    return get_settings().model_cache / re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+
+
+_resolved: dict[tuple, str] = {}  # found once, found for good: requests must not stat a cache each time
+
+
+def local_checkpoint(spec: ModelSpec) -> str:
+    """The folder on this machine that holds ``spec``'s files: the api's tokenizer and the worker's engine
+    both load from it, so a repo id resolves to one snapshot of the shared cache (``HF_HOME``) for both.
+    Never downloads: raises CheckpointMissing with what to run."""
+    source = source_of(spec)
+    key = (spec.id, source)
+    if key in _resolved:
+        return _resolved[key]
+    pull_hint = f"run `lmsp models pull {spec.id}`"
+    if source.kind == "folder":
+        if not Path(source.checkpoint).is_dir():
+            raise CheckpointMissing(f"model {spec.id}: no folder {source.checkpoint}; fix its checkpoint in the "
+                                    "models file, or mount the folder here")
+        found = source.checkpoint
+    elif source.kind == "gguf":
+        found = str(imported_dir(spec.id))
+        if not (Path(found) / "config.json").is_file():
+            raise CheckpointMissing(f"model {spec.id}: {source.checkpoint} is not imported yet; {pull_hint}")
+    else:
+        found = _hub_snapshot(spec, source, local_only=True, patterns=HUB_WEIGHTS)
+    _resolved[key] = found
+    return found
+
+
+def pull(spec: ModelSpec, *, tokenizer_only: bool = False, progress=print) -> str:
+    """Bring ``spec``'s files onto this machine (idempotent): download a repo id into the Hugging Face
+    cache (resumable, with progress bars; ``HF_TOKEN`` for gated repos; ``HF_HUB_OFFLINE=1`` uses only
+    the cache), convert a GGUF file, check a folder. Returns the local folder."""
+    source = source_of(spec)
+    if source.kind == "hub":
+        return _hub_snapshot(spec, source, local_only=False,
+                             patterns=HUB_TOKENIZER if tokenizer_only else HUB_WEIGHTS)
+    if source.kind == "gguf":
+        if not Path(source.checkpoint).is_file():
+            raise CheckpointMissing(f"model {spec.id}: no GGUF file {source.checkpoint}; copy it here or fix "
+                                    "its checkpoint in the models file")
+        from common.gguf import convert_gguf
+        convert_gguf(Path(source.checkpoint), imported_dir(spec.id), progress)
+    return local_checkpoint(spec)
+
+
+def _hub_snapshot(spec: ModelSpec, source: Source, *, local_only: bool, patterns: list[str]) -> str:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    where = f"{source.checkpoint}" + (f"@{source.revision}" if source.revision else "")
+    try:
+        return snapshot_download(source.checkpoint, revision=source.revision, allow_patterns=patterns,
+                                 local_files_only=local_only)
+    except GatedRepoError:
+        raise CheckpointMissing(f"model {spec.id}: {where} is gated: accept its terms on the hub, then set "
+                                "HF_TOKEN to a token of that account") from None
+    except RepositoryNotFoundError:
+        raise CheckpointMissing(f"model {spec.id}: the hub has no repo {source.checkpoint} (or it is private: "
+                                "set HF_TOKEN); fix its checkpoint in the models file") from None
+    except RevisionNotFoundError:
+        raise CheckpointMissing(f"model {spec.id}: {source.checkpoint} has no revision {source.revision}; "
+                                "fix its revision in the models file") from None
+    except (LocalEntryNotFoundError, OSError) as exc:  # offline, not cached; or the network failed mid-way
+        cache = constants.HF_HUB_CACHE
+        if local_only:
+            raise CheckpointMissing(f"model {spec.id}: {where} is not in the Hugging Face cache {cache}; "
+                                    f"run `lmsp models pull {spec.id}` (with the same HF_HOME)") from None
+        if constants.HF_HUB_OFFLINE:
+            raise CheckpointMissing(f"model {spec.id}: {where} is not in the Hugging Face cache {cache} and "
+                                    "HF_HUB_OFFLINE=1 forbids downloading it: unset HF_HUB_OFFLINE, or pull it "
+                                    "on a machine that reaches the hub and copy the cache here") from None
+        raise CheckpointMissing(f"model {spec.id}: downloading {where} failed ({exc}); run "
+                                f"`lmsp models pull {spec.id}` again: it resumes where it stopped") from None
 
 
 class Registry:
@@ -193,9 +310,9 @@ def resolve_dtype(requested: str, machine: Machine) -> tuple[str, str]:
     return "float32", "auto: CPU has no " + "/".join(CPU_BF16_FLAGS)
 
 
-def _kv_bytes_per_token(checkpoint: str, dtype: str) -> int | None:
+def _kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int | None:
     try:
-        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        config = json.loads((Path(local_checkpoint(spec)) / "config.json").read_text())
         config = config.get("text_config", config)
         layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads", heads)
@@ -229,7 +346,7 @@ def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tup
         gib = max(1, math.ceil(spec.kv_cache_gib))
         return str(gib), f"{gib} GiB (model)"
     # Enough for every sequence of a full batch at full length, within a share of free memory.
-    per_token = _kv_bytes_per_token(spec.checkpoint, args["dtype"])
+    per_token = _kv_bytes_per_token(spec, args["dtype"])
     length = int(args.get("max_model_len") or spec.context_window)
     want = per_token * length * spec.max_num_seqs if per_token else 4 << 30
     cap = int(machine.mem_available * KV_MEMORY_FRACTION)

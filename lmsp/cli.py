@@ -123,16 +123,12 @@ def models() -> None:
     """Models: the served ones, the local registry, importing GGUF files."""
 
 
-def _model_dir(model_id: str) -> Path:
-    return get_settings().model_cache / re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
-
-
 def import_gguf(path: Path, model_id: str, *, reasoning_parser=None, tool_call_parser=None) -> None:
     from common.gguf import convert_gguf
-    from common.registry import Capabilities, ModelSpec, Registry
+    from common.registry import Capabilities, ModelSpec, Registry, imported_dir
 
     settings = get_settings()
-    out = _model_dir(model_id)
+    out = imported_dir(model_id)
     info = convert_gguf(path, out, say)
     window = min(info["context_window"], 8192)
     registry = Registry.load(settings.models_path)
@@ -158,6 +154,36 @@ def models_import(file: Path, model_id: str, reasoning_parser, tool_call_parser)
         import_gguf(file, model_id, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
     except (OSError, ValueError) as exc:  # not a GGUF file, an architecture transformers cannot read, ...
         fail(f"cannot import {file}: {str(exc).rstrip('.')}; give a GGUF file as Ollama or llama.cpp keep them")
+
+
+@models.command("pull")
+@click.argument("model_ids", metavar="[ID]...", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="Every model of the registry.")
+@click.option("--tokenizer-only", is_flag=True,
+              help="Only what the api needs (tokenizer, chat template, config): no weights.")
+def models_pull(model_ids: tuple[str, ...], every: bool, tokenizer_only: bool) -> None:
+    """Bring models' files onto this machine: a Hugging Face repo id into the shared cache (HF_HOME;
+    resumable, HF_TOKEN for gated repos, HF_HUB_OFFLINE=1 uses the cache alone), a GGUF file converted.
+    Prints each model's local folder; the api and the workers load from that same folder."""
+    from common.errors import LMSPError
+    from common.registry import CheckpointMissing, Registry, pull, source_of
+    registry = Registry.load(get_settings().models_path)
+    if every == bool(model_ids):
+        fail("name the models to pull, or give --all (`lmsp models list --registry` shows them)")
+    specs = list(registry.models.values()) if every else []
+    for model_id in model_ids:
+        try:
+            specs.append(registry.get(model_id))
+        except LMSPError as exc:
+            fail(f"{exc.detail.split(';')[0]} in {get_settings().models_path}; "
+                 "`lmsp models list --registry` shows them")
+    for spec in specs:
+        say(f"{spec.id}: {source_of(spec).describe()}")
+        try:
+            folder = pull(spec, tokenizer_only=tokenizer_only, progress=say)
+        except CheckpointMissing as exc:
+            fail(str(exc))
+        click.echo(f"{spec.id}\t{folder}")
 
 
 @models.command("fetch-default", help=f"Fetch and import the default model, {DEFAULT_MODEL}.")
@@ -210,15 +236,18 @@ def serve(port: int | None) -> None:
 @click.option("--model", "model_id", required=True, help="The registry id of the model to serve.")
 @click.option("--gpu", type=int, help="The GPU this worker owns (CUDA_VISIBLE_DEVICES).")
 @click.option("--gpus", help="Supervise one worker per GPU of this host: 'all' or indices such as 0,1,2,3.")
-def worker(model_id: str, gpu: int | None, gpus: str | None) -> None:
-    """Run a worker: one engine for one model, on one GPU (or one per GPU with --gpus)."""
+@click.option("--tensor-parallel", type=click.IntRange(1), default=1, show_default=True,
+              help="GPUs per worker: one engine spread over each group of this many GPUs of --gpus "
+                   "(a model bigger than one GPU).")
+def worker(model_id: str, gpu: int | None, gpus: str | None, tensor_parallel: int) -> None:
+    """Run a worker: one engine for one model, on one GPU (or one per GPU, or per group, with --gpus)."""
     if gpus is not None:
         if gpu is not None:
             fail("give --gpu (one worker) or --gpus (one per GPU), not both")
         from worker import supervisor
-        sys.exit(supervisor.main(model_id, gpus))
+        sys.exit(supervisor.main(model_id, gpus, tensor_parallel))
     from worker.main import run
-    run(model_id, gpu)
+    run(model_id, gpu, tensor_parallel)
 
 
 def _interrupt(*_):
@@ -425,13 +454,17 @@ def models_list(registry: bool, url, token, as_json: bool) -> None:
     """The models the service serves, with their state (--registry: the local registry)."""
     if not registry:
         return _served_models(url=url, token=token, as_json=as_json)
-    from common.registry import Registry, detect_machine, resolve_engine
+    from common.registry import Registry, detect_machine, local_checkpoint, resolve_engine, source_of
     specs = list(Registry.load(get_settings().models_path).models.values())
     if as_json:
         return _print_json([s.model_dump(mode="json") for s in specs])
     machine = detect_machine()  # engine settings as a worker on this machine resolves them
     for spec in specs:
-        click.echo(f"{spec.id}\t{spec.checkpoint}\tcontext={spec.context_window}\t"
+        try:
+            present = "present " + local_checkpoint(spec)
+        except FileNotFoundError:
+            present = f"missing (`lmsp models pull {spec.id}`)"
+        click.echo(f"{spec.id}\t{source_of(spec).describe()}\t{present}\tcontext={spec.context_window}\t"
                    f"{resolve_engine(spec, machine).summary()}")
 
 

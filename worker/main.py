@@ -8,6 +8,7 @@ worker (heartbeat), and only then consume the model's queue.
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from common.broker import RUN_TASK, make_celery
 from common.bus import Publisher
 from common.db import ensure_migrated, make_engine, session_factory
 from common.errors import LMSPError
-from common.registry import Registry, detect_machine, resolve_engine
+from common.registry import CheckpointMissing, Registry, detect_machine, pull, resolve_engine
 from common.settings import ConfigError, get_settings
 from worker import identity, interactive, metrics, recovery, runner
 from worker.context import WorkerContext
@@ -29,18 +30,31 @@ from worker.writer import EventWriter
 log = logging.getLogger("lmsp.worker")
 
 
-def build(model_id: str, gpu: int | None) -> WorkerContext:
+def _stop_now(signum, _frame) -> None:
+    """SIGTERM/SIGINT before the consumer runs (loading the engine takes minutes): stop at once. build()
+    ends an engine it had started; nothing is claimed yet, so there is nothing to hand on."""
+    raise SystemExit(128 + signum)
+
+
+def build(model_id: str, gpu: int | None, tensor_parallel: int = 1) -> WorkerContext:
     settings = get_settings()
     try:
         spec = Registry.load(settings.models_path).get(model_id)
     except LMSPError:
         sys.exit(f"lmsp worker: no model {model_id!r} in {settings.models_path}; "
                  "`lmsp models list` shows them, `make model` imports the default")
-    checkpoint = Path(spec.checkpoint).expanduser()
-    if checkpoint.is_absolute() and not (checkpoint / "config.json").is_file():  # else a hub id, for vLLM
+    try:
+        # The same files the api's tokenizer reads; fetched here if this host has none yet (a no-op
+        # when `lmsp models pull` or Kubernetes' init container already did).
+        checkpoint = pull(spec, progress=log.info)
+    except CheckpointMissing as exc:
+        raise ConfigError(str(exc)) from None
+    if not (Path(checkpoint) / "config.json").is_file():
         raise ConfigError(f"model {model_id}: {checkpoint} is not a checkpoint folder (no config.json); "
                           f"fix its checkpoint in {settings.models_path} or import it again with "
                           "`lmsp models import-gguf FILE --id ID`")
+    if tensor_parallel > 1:
+        spec = spec.model_copy(update={"engine": {**spec.engine, "tensor_parallel_size": tensor_parallel}})
     if spec.engine_kind == "sim":  # never imports vLLM: dozens of simulated GPUs fit on one machine
         from worker.sim import SimEngine as Host
     else:
@@ -62,9 +76,13 @@ def build(model_id: str, gpu: int | None) -> WorkerContext:
     resolved = resolve_engine(spec, detect_machine())
 
     def new_engine() -> Host:
-        log.info("loading %s from %s: %s", spec.id, spec.checkpoint, resolved.summary())
-        host = Host(spec.checkpoint, resolved, tag=worker_id, pin=True)
-        host.start()
+        log.info("loading %s from %s: %s", spec.id, checkpoint, resolved.summary())
+        host = Host(checkpoint, resolved, tag=worker_id, pin=True)
+        try:
+            host.start()
+        except BaseException:  # a failed load, or SIGTERM while loading (_stop_now): leave no engine behind
+            kill_stale_engines(worker_id)
+            raise
         return host
 
     publisher = Publisher(settings.redis_url)
@@ -94,12 +112,12 @@ def serve(ctx: WorkerContext) -> None:
         ctx.stopping.set()
         ctx.engine.shutdown()
 
-    recovery.heartbeat(ctx, boot=True)  # this process holds the id from now on (identity.ensure_sole)
-    recovery.recover_own(ctx)
-    recovery.start_background(ctx)
-    interactive.start(ctx)
     concurrency = ctx.spec.max_num_seqs
-    try:
+    try:  # a SIGTERM before Celery takes the signals over (_stop_now) ends the engine here too
+        recovery.heartbeat(ctx, boot=True)  # this process holds the id from now on (identity.ensure_sole)
+        recovery.recover_own(ctx)
+        recovery.start_background(ctx)
+        interactive.start(ctx)
         app.worker_main(["worker", "-P", "threads", "-c", str(concurrency), "-Q", ctx.spec.queue,
                          "-n", f"{ctx.worker_id}@{socket.gethostname()}", "--without-gossip",
                          "--without-mingle", "--without-heartbeat", "-l", "INFO"])
@@ -114,11 +132,14 @@ def serve(ctx: WorkerContext) -> None:
         sys.exit("lmsp worker: the Celery consumer stopped unexpectedly")
 
 
-def run(model_id: str, gpu: int | None = None) -> None:
+def run(model_id: str, gpu: int | None = None, tensor_parallel: int = 1) -> None:
     """The worker's entry point (`lmsp worker` calls it with its parsed options)."""
+    # Honoured from the first instant: a pod or container stopped while the model loads stops now.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_now)
     try:
         logs.setup()
-        ctx = build(model_id, gpu)
+        ctx = build(model_id, gpu, tensor_parallel)
     except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
         sys.exit(f"lmsp worker: {exc}")
     logs.bind_process(worker_id=ctx.worker_id)
@@ -130,8 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lmsp worker")
     parser.add_argument("--model", required=True)
     parser.add_argument("--gpu", type=int)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
     args = parser.parse_args(argv)
-    run(args.model, args.gpu)
+    run(args.model, args.gpu, args.tensor_parallel)
 
 
 if __name__ == "__main__":

@@ -207,25 +207,35 @@ def watch_engine(ctx: WorkerContext) -> None:
 
 
 def drain(ctx: WorkerContext) -> None:
-    """SIGTERM: claim nothing more, let running generations finish within the grace, then hand every
-    unfinished task on now (no lease wait)."""
+    """SIGTERM (a scale-down, a rolling update): claim nothing more; hand on the tasks that lose nothing
+    by moving (on_restart retry/resume) at once, so another worker takes them now; let the others
+    (``fail``, which moving would fail) finish within the grace; then hand on what is left (no lease wait)."""
     started = time.monotonic()
     ctx.draining.set()
     try:
         heartbeat(ctx)
     except SQLAlchemyError:
         pass
+    early = _hand_on_own(ctx, ("retry", "resume"))
     deadline = started + ctx.settings.drain_seconds
     while ctx.running_ids() and time.monotonic() < deadline:
         time.sleep(0.2)
-    with ctx.sessions() as session:
-        rows = session.execute(select(Task.id, Task.attempt).where(
-            Task.worker_id == ctx.worker_id, Task.status.in_(LIVE))).all()
-    for task_id, attempt in rows:
-        runner.hand_on(ctx, task_id, attempt, "The worker running this task was stopped before it finished")
+    late = _hand_on_own(ctx, None)
     fail_direct(ctx, [ctx.worker_id])  # a direct stream cannot move: its client retries elsewhere
     metrics.DRAIN_SECONDS.labels(model=ctx.spec.id).observe(time.monotonic() - started)
-    log.info("drained in %.1f s; %d tasks handed on", time.monotonic() - started, len(rows))
+    log.info("drained in %.1f s; %d tasks handed on at once, %d at the end", time.monotonic() - started,
+             early, late)
+
+
+def _hand_on_own(ctx: WorkerContext, policies: tuple[str, ...] | None) -> int:
+    query = select(Task.id, Task.attempt).where(Task.worker_id == ctx.worker_id, Task.status.in_(LIVE))
+    if policies is not None:
+        query = query.where(Task.on_restart.in_(policies))
+    with ctx.sessions() as session:
+        rows = session.execute(query).all()
+    for task_id, attempt in rows:
+        runner.hand_on(ctx, task_id, attempt, "The worker running this task was stopped before it finished")
+    return len(rows)
 
 
 def _every(ctx: WorkerContext, seconds: float, fn, name: str) -> threading.Thread:

@@ -1,7 +1,8 @@
-"""``lmsp worker --model ID --gpus 0,1,2,3|all``: one worker process per GPU of this host.
+"""``lmsp worker --model ID --gpus 0,1,2,3|all [--tensor-parallel N]``: one worker process per GPU of this
+host, or per group of N GPUs for a model bigger than one GPU (one engine spread over the group).
 
-Each child sees only its GPU (``CUDA_VISIBLE_DEVICES``) and has a stable id, ``host:gpuN``
-(``LMSP_WORKER_ID``), so a child started again finishes the bookkeeping of its own tasks; the Nth
+Each child sees only its GPUs (``CUDA_VISIBLE_DEVICES``, numbered in PCI bus order like ``nvidia-smi``)
+and has a stable id, ``host:gpuN`` (``host:gpuN-M`` for a group), (``LMSP_WORKER_ID``), so a child started again finishes the bookkeeping of its own tasks; the Nth
 child's metrics port is ``LMSP_WORKER_METRICS_PORT`` + N. A child that exits is started again after
 a backoff that doubles while it keeps dying young. SIGTERM or SIGINT is passed on to every child as
 SIGTERM (each drains its tasks) and the supervisor waits for all of them; a second signal kills them.
@@ -40,6 +41,14 @@ def parse_gpus(text: str) -> list[int]:
     return gpus
 
 
+def group_gpus(gpus: list[int], tensor_parallel: int) -> list[tuple[int, ...]]:
+    """``0,1,2,3`` with 2 -> ``(0, 1), (2, 3)``: each group is one worker, one engine."""
+    if tensor_parallel < 1 or len(gpus) % tensor_parallel:
+        raise ValueError(f"--tensor-parallel {tensor_parallel} does not divide the {len(gpus)} GPUs of --gpus "
+                         f"{','.join(map(str, gpus))}: give a multiple of it")
+    return [tuple(gpus[i:i + tensor_parallel]) for i in range(0, len(gpus), tensor_parallel)]
+
+
 def visible_gpus() -> list[int]:
     """The GPUs ``nvidia-smi -L`` lists (``GPU 0: NVIDIA A100 ... (UUID: ...)``)."""
     try:
@@ -63,7 +72,7 @@ def die_with_parent() -> None:
 
 @dataclass
 class Child:
-    gpu: int
+    gpus: tuple[int, ...]
     env: dict
     proc: subprocess.Popen | None = None
     started: float = 0.0
@@ -76,16 +85,20 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], gpus: list[int], *, host: str | None = None, metrics_port: int = 0,
+    def __init__(self, argv: list[str], gpus: list[int | tuple[int, ...]], *, host: str | None = None, metrics_port: int = 0,
                  min_backoff: float = 1.0, max_backoff: float = 60.0, stable_after: float = 60.0):
         self.argv = argv
         self.min_backoff, self.max_backoff, self.stable_after = min_backoff, max_backoff, stable_after
         host = host or socket.gethostname()
         self.children = []
-        for n, gpu in enumerate(gpus):
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "LMSP_WORKER_ID": f"{host}:gpu{gpu}"}
+        for n, group in enumerate(gpus):
+            group = tuple(group) if isinstance(group, (tuple, list)) else (group,)
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, group)),
+                   "LMSP_WORKER_ID": f"{host}:gpu" + "-".join(map(str, group))}
+            # CUDA's default order (fastest first) can differ from nvidia-smi's on mixed hosts.
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
             env["LMSP_WORKER_METRICS_PORT"] = str(metrics_port + n if metrics_port else 0)
-            self.children.append(Child(gpu, env))
+            self.children.append(Child(group, env))
         self.signals = 0
 
     def _on_signal(self, signum, _frame) -> None:
@@ -97,7 +110,7 @@ class Supervisor:
         # A group of its own: Ctrl-C reaches the supervisor only, which passes SIGTERM on once.
         child.proc = subprocess.Popen(self.argv, env=child.env, process_group=0, preexec_fn=die_with_parent)
         child.started = time.monotonic()
-        log.info("started %s (pid %d) on GPU %d", child.worker_id, child.proc.pid, child.gpu)
+        log.info("started %s (pid %d) on GPU %s", child.worker_id, child.proc.pid, ",".join(map(str, child.gpus)))
 
     def _reap(self, child: Child, now: float) -> None:
         code, lived = child.proc.returncode, now - child.started
@@ -139,21 +152,21 @@ class Supervisor:
         return 0
 
 
-def worker_argv(model: str) -> list[str]:
-    return [sys.executable, "-m", "worker", "--model", model]
+def worker_argv(model: str, tensor_parallel: int = 1) -> list[str]:
+    return [sys.executable, "-m", "worker", "--model", model, "--tensor-parallel", str(tensor_parallel)]
 
 
-def main(model: str, gpus: str) -> int:
+def main(model: str, gpus: str, tensor_parallel: int = 1) -> int:
     logs.setup()
     settings = get_settings()
     try:
         Registry.load(settings.models_path).get(model)
-        indices = parse_gpus(gpus)
+        groups = group_gpus(parse_gpus(gpus), tensor_parallel)
     except LMSPError as exc:
         sys.exit(f"lmsp worker: {exc.detail} (registry: {settings.models_path})")
     except ValueError as exc:
         sys.exit(f"lmsp worker: {exc}")
-    return Supervisor(worker_argv(model), indices, metrics_port=settings.worker_metrics_port).run()
+    return Supervisor(worker_argv(model, tensor_parallel), groups, metrics_port=settings.worker_metrics_port).run()
 
 
 if __name__ == "__main__":
@@ -161,5 +174,6 @@ if __name__ == "__main__":
                                      description="one worker per GPU of this host for one model")
     parser.add_argument("--model", required=True)
     parser.add_argument("--gpus", required=True, help="'all' (what nvidia-smi -L lists) or indices: 0,1,2,3")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per worker (one engine over them)")
     args = parser.parse_args()
-    sys.exit(main(args.model, args.gpus))
+    sys.exit(main(args.model, args.gpus, args.tensor_parallel))

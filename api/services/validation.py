@@ -10,7 +10,7 @@ from common.errors import LMSPError
 from common.ids import is_id
 from common.prompt import count_tokens, load_tokenizer, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest, parse
-from common.registry import ModelSpec
+from common.registry import ModelSpec, local_checkpoint
 from common.tables import Response
 
 
@@ -57,9 +57,9 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
         raise LMSPError("invalid_request", f"max_output_tokens {req.max_output_tokens} is above the "
                         f"model's maximum {spec.max_output_tokens}", param="max_output_tokens")
     try:
-        tokenizer = load_tokenizer(spec.checkpoint)
-    except (OSError, ValueError):
-        raise LMSPError("model_unavailable", f"The api cannot read the tokenizer of {spec.id}; "
+        tokenizer = load_tokenizer(local_checkpoint(spec))
+    except (OSError, ValueError) as exc:
+        raise LMSPError("model_unavailable", f"The api cannot read the tokenizer of {spec.id} ({exc}); "
                         "its checkpoint must be readable by the api too", retry_after=60) from None
     input_tokens = count_tokens(tokenizer, render(tokenizer, req))
     room = spec.context_window - input_tokens
@@ -68,7 +68,7 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
                         f"{spec.id} has a context window of {spec.context_window}", param="input")
     max_tokens = min(req.max_output_tokens or spec.max_output_tokens, spec.max_output_tokens, room)
     if constraint is not None:  # the grammar backend's own compile: the costliest check, so the last
-        svc.grammars.check(*constraint, spec.checkpoint)
+        svc.grammars.check(*constraint, local_checkpoint(spec))
     return Prepared(req, spec, input_tokens, max_tokens)
 
 
