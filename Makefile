@@ -25,6 +25,18 @@ $(STAMP): pyproject.toml
 	@if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	@touch $(STAMP)
 
+# The dependencies alone, read from pyproject.toml (no source needed): the Containerfile runs this before
+# it copies the source, so a source edit does not reinstall torch.
+.PHONY: deps
+deps:
+	@command -v $(PY) >/dev/null || { echo "make: need $(PY) (Python 3.11)"; exit 1; }
+	@test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/python -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  print("\n".join(p["dependencies"] + [d for e in sys.argv[1].split(",") if e for d in p["optional-dependencies"][e]]))' \
+	  "$(EXTRAS)" > $(VENV)/requirements.txt
+	$(BIN)/pip install --progress-bar on -r $(VENV)/requirements.txt
+
 model: install $(MODEL_STAMP)
 
 $(MODEL_STAMP):

@@ -186,3 +186,18 @@ def test_a_second_worker_with_a_live_workers_id_refuses_to_start(stack, model_id
     assert engine_pids(worker_id) == engines
     r = alice.post("/lmsp/v1/responses", {"model": model_id, "input": user("Hi"), "max_output_tokens": 4})
     assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete")
+
+
+def test_tensor_parallel_groups_gpus_one_worker_per_group(monkeypatch):
+    from worker.supervisor import Supervisor, group_gpus, worker_argv
+
+    assert group_gpus([0, 1, 2, 3], 2) == [(0, 1), (2, 3)]
+    assert group_gpus([3, 1], 1) == [(3,), (1,)]
+    with pytest.raises(ValueError, match="does not divide"):
+        group_gpus([0, 1, 2], 2)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    sup = Supervisor(worker_argv("big:1", 2), group_gpus([0, 1, 2, 3], 2), host="box", metrics_port=9400)
+    assert [(c.env["CUDA_VISIBLE_DEVICES"], c.worker_id, c.env["LMSP_WORKER_METRICS_PORT"]) for c in sup.children] \
+        == [("0,1", "box:gpu0-1", "9400"), ("2,3", "box:gpu2-3", "9401")]
+    assert all(c.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for c in sup.children)  # nvidia-smi's numbering
+    assert sup.argv[-2:] == ["--tensor-parallel", "2"]

@@ -1,12 +1,16 @@
-"""The images and the one-host deployment, checked without a container engine: the Containerfile
-parses and passes our lint rules, its install steps are the Makefile's, and compose.yaml's services,
-volumes, GPUs and settings refer to things that exist."""
+"""The images and the compose deployments, checked without a container engine (none runs here): the
+Containerfile parses and passes our lint rules (base pinned by digest, dependencies installed before the
+source is copied, an init process), its install steps are the Makefile's; the compose files validate
+against the compose specification's JSON schema (tests/schemas), and their services, volumes, GPUs,
+addresses and settings refer to things that exist."""
 
+import json
 import re
 import shlex
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
@@ -69,7 +73,7 @@ def test_containerfile_lint_rules():
         base = body[0]["value"].split()[0]
         base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
         if base not in all_stages:   # an outside image: pinned to a version, never latest
-            assert re.fullmatch(r"[\w./-]+:\d[\w.-]*(@sha256:[0-9a-f]{64})?", base), f"{name}: unpinned {base}"
+            assert re.fullmatch(r"[\w./-]+:\d[\w.-]*@sha256:[0-9a-f]{64}", base), f"{name}: not pinned by digest: {base}"
         for instr in body:
             value = instr["value"]
             assert instr["instruction"] not in ("ADD", "MAINTAINER"), f"{name}: use COPY / LABEL"
@@ -89,17 +93,29 @@ def test_containerfile_lint_rules():
         env = env_of(target, all_stages)
         assert env["LMSP_HOME"] in volumes   # the model cache is a volume
         assert env["PATH"].startswith("/opt/lmsp/bin:")
-        assert any(i["instruction"] in ("CMD", "ENTRYPOINT") for i in instrs)
+        entry = [json.loads(i["value"]) for i in instrs if i["instruction"] == "ENTRYPOINT"]
+        assert entry and entry[-1][0].endswith("/tini"), "PID 1 must be an init that passes SIGTERM on"
+        runs = " ".join(i["value"] for i in instrs if i["instruction"] == "RUN")
+        assert re.search(r"apt-get install [^&]*\btini\b", runs)
 
 
 def make_install_of(target: str) -> list[str]:
-    """The `make install ...` arguments the target's build stage runs."""
+    """The `make install ...` arguments the target's build stage runs, after `make deps` with the same
+    extras and before it, only pyproject.toml and the Makefile copied (a source edit reuses the deps layer)."""
     all_stages = stages()
     copy = next(i["value"] for i in all_stages[target] if i["instruction"] == "COPY" and "--from=" in i["value"])
     build_stage = re.search(r"--from=(\S+)", copy).group(1)
-    runs = [shlex.split(i["value"]) for i in all_stages[build_stage] if i["instruction"] == "RUN"]
-    assert len(runs) == 1 and runs[0][:2] == ["make", "install"], runs
-    return runs[0][2:]
+    steps = [i for stage in reversed(chain(build_stage, all_stages)) for i in all_stages[stage]
+             if i["instruction"] in ("RUN", "COPY")]
+    makes = [(n, shlex.split(i["value"])) for n, i in enumerate(steps) if i["value"].startswith("make ")]
+    assert [argv[:2] for _, argv in makes] == [["make", "deps"], ["make", "install"]], steps
+    (deps_at, deps), (install_at, install) = makes
+    everything = [n for n, i in enumerate(steps) if i["instruction"] == "COPY" and i["value"].split()[0] == "."]
+    assert len(everything) == 1 and deps_at < everything[0] < install_at, "the source is copied before the deps"
+    early = [i["value"].split()[:-1] for i in steps[:deps_at] if i["instruction"] == "COPY"]
+    assert early == [["pyproject.toml", "Makefile"]]
+    assert [a for a in deps if a.startswith("EXTRAS=")] == [a for a in install if a.startswith("EXTRAS=")]
+    return install[2:]
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -127,19 +143,60 @@ def test_build_context_leaves_out_the_venv_and_git():
     assert {".venv", ".git"} <= set(ignored)
 
 
-# -- compose.yaml ----------------------------------------------------------------------------------------
-def interpolate(text: str) -> str:
-    """Compose's ${VAR:-default} / ${VAR:?message} / ${VAR}, with every variable unset."""
+# -- compose files ---------------------------------------------------------------------------------------
+COMPOSE_FILES = ("compose.yaml", "compose.head.yaml", "compose.gpu.yaml")
+
+
+def dotenv(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+    return {k: v for k, v in pairs}
+
+
+ENV = dotenv(ROOT / ".env.example")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR:-default} / ${VAR:?message} / ${VAR} (nested defaults too) with ``env``; a required
+    variable .env.example leaves unset fails."""
     def one(m):
-        default = m.group(2) or ""
-        assert not default.startswith("?"), f"{m.group(1)} must be set: nothing to check offline"
-        return default[2:] if default.startswith(":-") else default
-    return re.sub(r"\$\{(\w+)((?::-|:\?|-)[^}]*)?\}", one, text)
+        name, rule = m.group(1), m.group(2) or ""
+        if env.get(name):
+            return env[name]
+        assert not rule.startswith(":?"), f"{name} is required and .env.example does not set it"
+        return rule[2:] if rule.startswith(":-") else ""
+    while (new := re.sub(r"\$\{(\w+)((?::-|:\?)[^${}]*)?\}", one, text)) != text:
+        text = new
+    return text
 
 
-@pytest.fixture(scope="module")
-def compose() -> dict:
-    return yaml.safe_load(interpolate((ROOT / "compose.yaml").read_text()))
+def load(name: str, env: dict[str, str] = ENV) -> dict:
+    model = yaml.safe_load(interpolate((ROOT / name).read_text(), env))
+    for included in model.pop("include", []):  # compose's include: the files' services and volumes, merged
+        part = load(included, env)
+        for key in ("services", "volumes"):
+            clash = set(model.get(key) or {}) & set(part.get(key) or {})
+            assert not clash, f"{name}: {included} defines {key} {clash} again"
+            model.setdefault(key, {}).update(part.get(key) or {})
+    return model
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_compose_files_follow_the_compose_specification(name):
+    schema = json.loads((ROOT / "tests" / "schemas" / "compose-spec.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)  # its $schema names draft 7 without the trailing '#'
+    validator.validate(yaml.safe_load((ROOT / name).read_text()))  # as written
+    validator.validate(load(name))  # as compose runs it, .env filled in
+    with pytest.raises(jsonschema.ValidationError):
+        validator.validate({"services": {"api": {"imgae": "x"}}})
+
+
+@pytest.fixture(scope="module", params=["compose.yaml", "split"])
+def compose(request) -> dict:
+    """One host (compose.yaml), or the head and GPU node files as two hosts run them."""
+    if request.param == "compose.yaml":
+        return load("compose.yaml")
+    head, gpu = load("compose.head.yaml"), load("compose.gpu.yaml")
+    return {"services": {**head["services"], **gpu["services"]}, "volumes": {**head["volumes"], **gpu["volumes"]}}
 
 
 def workers(compose) -> dict[str, list[str]]:
@@ -175,19 +232,47 @@ def test_compose_runs_one_worker_service_per_model_on_its_own_gpus(compose):
     for name, argv in workers(compose).items():
         service = services[name]
         model, gpus = argv[argv.index("--model") + 1], argv[argv.index("--gpus") + 1]
+        per_worker = int(argv[argv.index("--tensor-parallel") + 1]) if "--tensor-parallel" in argv else 1
         assert model in registry.models and model not in seen_models
         indices = [int(g) for g in gpus.split(",")]
         assert not seen_gpus & set(indices), f"{name}: a GPU in two services"
         seen_models.add(model)
         seen_gpus |= set(indices)
-        # The healthcheck asks every worker's port: 9400 + N for N in range(len(--gpus)).
+        # The healthcheck asks every worker's port: 9400 + N for N in range(workers of --gpus).
         port = Settings.model_fields["worker_metrics_port"].default
         assert f"{{{port} + n}}/readyz" in service["healthcheck"]["test"][-1]
-        assert f"range({len(indices)})" in service["healthcheck"]["test"][-1]
+        assert f"range({len(indices) // per_worker})" in service["healthcheck"]["test"][-1]
         drain = float(service["environment"]["LMSP_DRAIN_SECONDS"])
         assert int(service["stop_grace_period"].rstrip("s")) >= drain + 30
         assert service["hostname"] and service["deploy"]["resources"]["reservations"]["devices"]
+        assert service["environment"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert service["build"]["target"] == "gpu"
     assert seen_models == set(registry.models), "a registered model with no worker service"
-    api = services["api"]
-    assert api["environment"]["LMSP_DATABASE_URL"].split("@")[1].split(":")[0] in services
-    assert api["environment"]["LMSP_REDIS_URL"].split("//")[1].split(":")[0] in services
+    for spec in registry.models.values():  # as k8s/config.yaml: any GPU generation, CUDA graphs on
+        assert spec.engine["dtype"] == "auto" and spec.engine["enforce_eager"] is False
+    for name in ("api", "migrate", "pull"):
+        assert services[name]["build"]["target"] == "cpu"  # no GPU image where no GPU is used
+
+
+def test_head_publishes_on_the_private_address_and_gpu_nodes_reach_it_with_passwords():
+    head, gpu = load("compose.head.yaml"), load("compose.gpu.yaml")
+    addr, redis_pw, pg_pw = ENV["LMSP_HEAD_ADDR"], ENV["REDIS_PASSWORD"], ENV["POSTGRES_PASSWORD"]
+    assert set(gpu["services"]) == set(workers(gpu)), "a GPU node runs workers only"
+    assert {"postgres", "redis", "migrate", "api"} <= set(head["services"]) and not workers(head)
+    for name in ("postgres", "redis", "api"):
+        for port in head["services"][name]["ports"]:
+            assert port.startswith(addr + ":"), f"{name} published beyond the private address: {port}"
+    assert head["services"]["redis"]["command"][-2:] == ["--requirepass", redis_pw]
+    for service in head["services"].values():
+        env = service.get("environment", {})
+        if "LMSP_DATABASE_URL" in env:  # on the head: by service name, inside its network
+            assert env["LMSP_DATABASE_URL"] == f"postgresql://lmsp:{pg_pw}@postgres:5432/lmsp"
+            assert env["LMSP_BROKER_URL"] == env["LMSP_REDIS_URL"] == f"redis://:{redis_pw}@redis:6379/0"
+    for service in gpu["services"].values():
+        env = service["environment"]
+        assert env["LMSP_DATABASE_URL"] == f"postgresql://lmsp:{pg_pw}@{addr}:5432/lmsp"
+        assert env["LMSP_BROKER_URL"] == env["LMSP_REDIS_URL"] == f"redis://:{redis_pw}@{addr}:6379/0"
+        assert service["hostname"] == ENV["LMSP_HOST_NAME"]
+    for name, wanted in (("compose.gpu.yaml", "LMSP_HEAD_ADDR"), ("compose.head.yaml", "REDIS_PASSWORD")):
+        with pytest.raises(AssertionError, match=wanted):  # a missing setting stops compose with its name
+            load(name, {k: v for k, v in ENV.items() if k != wanted})
