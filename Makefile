@@ -55,6 +55,11 @@ test: model browser
 	wait $$unit; units=$$?; echo "== tests/unit (ran beside the stack)"; cat $(UNIT_LOG); \
 	test $$stack -eq 0 && test $$units -eq 0
 
+# Several hosts without Kubernetes, rehearsed with network namespaces (root; minutes: two engines load).
+.PHONY: test-hosts
+test-hosts: model
+	$(BIN)/pytest tests/hosts
+
 .PHONY: test-unit
 test-unit: model  # the api without an engine, Redis or Postgres (tests/unit): well under a minute
 	$(BIN)/pytest tests/unit

@@ -201,3 +201,25 @@ def test_tensor_parallel_groups_gpus_one_worker_per_group(monkeypatch):
         == [("0,1", "box:gpu0-1", "9400"), ("2,3", "box:gpu2-3", "9401")]
     assert all(c.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for c in sup.children)  # nvidia-smi's numbering
     assert sup.argv[-2:] == ["--tensor-parallel", "2"]
+
+
+def test_sigterm_while_the_model_loads_stops_the_worker_and_its_engine_at_once(stack):
+    """A pod or container stopped while its model loads (minutes on a big model) stops then, and leaves
+    no engine process holding the GPU. Costs a partial engine start (~10-20 s)."""
+    from tests.harness import engine_pids, wait_for
+
+    worker_id = "sigterm-while-loading"
+    proc = stack.spawn([sys.executable, "-m", "worker", "--model", stack.fault_model], f"worker-{worker_id}.log",
+                       LMSP_WORKER_ID=worker_id)
+    try:
+        wait_for(lambda: engine_pids(worker_id) or proc.poll() is not None, 300, "no engine process started")
+        assert proc.poll() is None, (stack.tmp / f"worker-{worker_id}.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # to the worker alone, as tini or the kubelet passes it on
+        started = time.monotonic()
+        assert proc.wait(30) != 0
+        assert time.monotonic() - started < 30
+        wait_for(lambda: engine_pids(worker_id) == [], 10, "the engine outlived its worker")
+        assert " ready." not in (stack.tmp / f"worker-{worker_id}.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
