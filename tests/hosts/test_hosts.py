@@ -78,14 +78,14 @@ class Hosts:
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{HOSTS['head']} postgres redis\n")
 
     def down(self) -> None:
-        for proc in reversed(self.procs):
+        for proc in reversed(self.procs):  # workers first, Postgres last: each stops while what it needs runs
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        for proc in reversed(self.procs):
             try:
                 proc.wait(90)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         for host in HOSTS:
             subprocess.run(["ip", "netns", "del", ns(host)], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns(host), ignore_errors=True)
