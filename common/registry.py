@@ -137,8 +137,8 @@ def local_checkpoint(spec: ModelSpec) -> str:
     pull_hint = f"run `lmsp models pull {spec.id}`"
     if source.kind == "folder":
         if not Path(source.checkpoint).is_dir():
-            raise CheckpointMissing(f"model {spec.id}: no folder {source.checkpoint}; fix its checkpoint in the "
-                                    "models file, or mount the folder here")
+            raise CheckpointMissing(f"model {spec.id}: {source.checkpoint} is not a checkpoint folder (there is no "
+                                    "such folder); fix its checkpoint in the models file, or mount the folder here")
         found = source.checkpoint
     elif source.kind == "gguf":
         found = str(imported_dir(spec.id))

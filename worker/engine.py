@@ -20,7 +20,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from common.prompt import load_tokenizer
 from common.registry import EngineSettings
 from worker.gate import Delta, GatedHost, GenParams, Request
-from worker.procs import ENGINE_TAG_ENV, _descendants, _pin_process, vllm_process_prefix
+from worker.procs import ENGINE_TAG_ENV, _descendants, _pin_process, kill, vllm_process_prefix
 
 __all__ = ["Delta", "EngineHost", "GenParams"]
 
@@ -43,11 +43,17 @@ class EngineHost(GatedHost):
         self._pinned = False  # this process's threads kept off the engine's CPUs
 
     def start(self) -> None:
+        before = set(_descendants(os.getpid()))
         self._thread.start()
         try:
             asyncio.run_coroutine_threadsafe(self._load(), self._loop).result()
-        except BaseException:
-            self._stop_loop()
+        except BaseException as exc:
+            # A failed load, or SIGTERM while loading (the worker's handler raises SystemExit here): end
+            # the engine's processes. After a failed load the loop is idle and stops; after SIGTERM it is
+            # still inside vLLM's wait for the engine (seconds more): the process exits without it.
+            kill(set(_descendants(os.getpid())) - before)
+            if isinstance(exc, Exception):
+                self._stop_loop()
             raise
         if self._pin:
             self._keep_off_engine_cpus()

@@ -30,10 +30,14 @@ from worker.writer import EventWriter
 log = logging.getLogger("lmsp.worker")
 
 
+class Stopped(SystemExit):
+    """SIGTERM or SIGINT before the consumer runs."""
+
+
 def _stop_now(signum, _frame) -> None:
-    """SIGTERM/SIGINT before the consumer runs (loading the engine takes minutes): stop at once. build()
-    ends an engine it had started; nothing is claimed yet, so there is nothing to hand on."""
-    raise SystemExit(128 + signum)
+    """SIGTERM/SIGINT before the consumer runs (loading the engine takes minutes): stop at once. The
+    engine's start ends the processes it had started; nothing is claimed yet, so nothing to hand on."""
+    raise Stopped(128 + signum)
 
 
 def build(model_id: str, gpu: int | None, tensor_parallel: int = 1) -> WorkerContext:
@@ -78,11 +82,7 @@ def build(model_id: str, gpu: int | None, tensor_parallel: int = 1) -> WorkerCon
     def new_engine() -> Host:
         log.info("loading %s from %s: %s", spec.id, checkpoint, resolved.summary())
         host = Host(checkpoint, resolved, tag=worker_id, pin=True)
-        try:
-            host.start()
-        except BaseException:  # a failed load, or SIGTERM while loading (_stop_now): leave no engine behind
-            kill_stale_engines(worker_id)
-            raise
+        host.start()  # a failed load, or SIGTERM while loading (_stop_now), leaves no engine behind
         return host
 
     publisher = Publisher(settings.redis_url)
@@ -142,6 +142,10 @@ def run(model_id: str, gpu: int | None = None, tensor_parallel: int = 1) -> None
         ctx = build(model_id, gpu, tensor_parallel)
     except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
         sys.exit(f"lmsp worker: {exc}")
+    except Stopped as exc:
+        log.info("stopped while loading the model")
+        logging.shutdown()
+        os._exit(exc.code)  # nothing to hand on or flush; the interpreter's teardown (torch) takes seconds
     logs.bind_process(worker_id=ctx.worker_id)
     metrics.start_metrics_server(ctx)  # after the engine loaded: the startup probe means "loaded"
     serve(ctx)

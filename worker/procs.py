@@ -64,6 +64,15 @@ def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
     return killed
 
 
+def kill(pids) -> None:
+    """SIGKILL ``pids``, those already gone aside."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+
+
 def _stat(pid: int) -> list[str]:
     # Fields after "(comm)", which may itself contain spaces: [state, ppid, ...].
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -59,7 +59,7 @@ def test_offline_and_not_cached_says_what_to_do(hub):
 def test_missing_folder_and_unimported_gguf(tmp_path, monkeypatch):
     monkeypatch.setenv("LMSP_HOME", str(tmp_path))
     get_settings.cache_clear()
-    with pytest.raises(CheckpointMissing, match="no folder"):
+    with pytest.raises(CheckpointMissing, match="is not a checkpoint folder"):
         local_checkpoint(spec(str(tmp_path / "nope")))
     with pytest.raises(CheckpointMissing, match="no GGUF file"):
         registry.pull(spec(str(tmp_path / "nope.gguf"), id="g:1"))
