@@ -484,7 +484,7 @@ def test_rolling_restart_under_load_fails_no_fail_task_within_the_grace(stack, a
     pair["pair-a"].send_signal(signal.SIGTERM)  # idle: quick; it comes back with a Kubernetes-like grace
     pair["pair-a"].wait(120)
     pair["pair-a"] = stack.start_worker(model, "pair-a", LMSP_DRAIN_SECONDS=grace)
-    short = [submit(alice, model, f"Write three sentences about the river number {i}.", "fail", max_tokens=48)
+    short = [submit(alice, model, f"Write three sentences about the river number {i}.", "fail", max_tokens=96)
              for i in range(8)]
     movable = [submit(alice, model, ESSAY.format(f"harbour number {i}"), ("resume", "retry")[i % 2],
                       max_tokens=300) for i in range(8)]
