@@ -71,5 +71,6 @@ def test_cancelling_a_queued_task_logs_the_final_event(alice):
     alice.log(task, [("response.created", {"response_id": task.response_id, "status": "in_progress"})])
     alice.post(f"/lmsp/v1/tasks/{task.id}/cancel")
     text = alice.get(f"/lmsp/v1/tasks/{task.id}/events").get_data(as_text=True)
-    assert text.rstrip().split("\n")[-2:] == ["event: response.cancelled",
-                                               f'data: {{"response_id":"{task.response_id}","status":"cancelled"}}']
+    # The data also carries the event's type and sequence number (the OpenAI SDK reads them there).
+    assert text.rstrip().split("\n")[-2:] == ["event: response.cancelled", 'data: {"type":"response.cancelled",'
+                                               f'"sequence_number":2,"response_id":"{task.response_id}","status":"cancelled"}}']
