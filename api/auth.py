@@ -73,6 +73,12 @@ def hold_stream() -> None:
     g.release_stream = services().streams.acquire(principal())
 
 
+def hold_follower() -> None:
+    """``hold_stream`` for a follower handed to the fan-out thread: it holds no thread, so its slots
+    are many (``max_followers_per_process``); ``api.handover.Handover`` takes it from the request."""
+    g.release_stream = services().followers.acquire(principal())
+
+
 def streamed(resp: Response) -> Response:
     """Move the request's stream slot to ``resp``: Flask tears a request down as soon as its view
     returns, long before a streamed body ends; the WSGI server closes the body when it is done
