@@ -504,7 +504,7 @@ class Follower:
         if self.more and self.state != ENDED and not self.reading:
             self._read(ask_ended=False)
 
-    def read_done(self, page: list[Event], final: bool, closing, error: BaseException | None) -> None:
+    def read_done(self, page: Batch | list[Event] | None, final: bool, closing, error: BaseException | None) -> None:
         self.reading = False
         if self.state == ENDED:
             return
@@ -513,9 +513,11 @@ class Follower:
             return
         gained = bool(page)
         if page:
+            batch = page if isinstance(page, Batch) else Batch(page)
+            page = batch.events
             self.last = page[-1][0]
             self.hub.advanced(self.response_id, self.last)
-            self.sink.events(Batch(page))
+            self.sink.events(batch)
             if self.state == ENDED:
                 return
         if final:
@@ -524,7 +526,7 @@ class Follower:
             if closing:
                 self.sink.events(Batch([(self.last + 1 + i, name, data) for i, (name, data) in enumerate(closing)]))
             self.end(FINISHED)
-        elif len(page) >= PAGE or self.reread:
+        elif (page and len(page) >= PAGE) or self.reread:
             self.reread, self.more = False, True
             if self.sink.drained():
                 self.read_on()
@@ -706,7 +708,9 @@ class Hub:
 
     def attach(self, sock: socket.socket, *, ws: bool, path: str, response_id: str, after: int, ended,
                authorized, on_close: Callable[[], None]) -> None:
-        """Hand a client's socket (its response head written) to the fan-out thread as a task follower."""
+        """Hand a client's socket (its response head written) to the fan-out thread as a task follower.
+        This request's thread subscribes it and reads its first page of the log, as a thread per
+        follower did: a connect storm's reads run on the request threads, not on the few readers."""
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is written whole: no wait
@@ -715,7 +719,17 @@ class Hub:
             pass  # not TCP (a test's socket pair) or not Linux
         follower = Follower(self, response_id, SocketSink(self, sock, ws, path, on_close))
         follower.setup(after, True, ended, authorized)
-        self.call(self._attach, follower)
+        follower.reading = True  # live batches wait in pending until the first page is in
+        self.call(self._add, follower)
+        self.confirm(follower)
+        try:
+            page, final, closing = self._ask(response_id, after, True, ended, None)
+            first, error = Batch(page) if page else None, None
+            if first is not None:
+                first.encoded(ws)
+        except Exception as exc:  # noqa: BLE001 - the follower ends with an error event
+            first, final, closing, error = None, False, None, exc
+        self.call(self._attach, follower, first, final, closing, error)
 
     def start(self, follower: Follower, after: int, logged: bool, ended, authorized) -> None:
         follower.setup(after, logged, ended, authorized)
@@ -741,14 +755,17 @@ class Hub:
                 if self.connected:
                     self._send(lambda ps: ps.subscribe(channel(rid)))
         topic.followers.add(follower)
+        if isinstance(follower.sink, SocketSink):
+            self.selector.register(follower.sink.sock, selectors.EVENT_READ, follower.sink)
         if topic.confirmed or not self.connected:
             follower.confirmed.set()
 
-    def _attach(self, follower: Follower) -> None:
-        sink = follower.sink
-        self.selector.register(sink.sock, selectors.EVENT_READ, sink)
-        self._add(follower)
-        self._begin(follower)
+    def _attach(self, follower: Follower, first: Batch | None, final: bool, closing, error) -> None:
+        follower.began = True
+        if self.closing.is_set():
+            follower.end(SHUTDOWN)
+        else:
+            follower.read_done(first, final, closing, error)
 
     def _begin(self, follower: Follower) -> None:
         if follower.logged and self.closing.is_set():

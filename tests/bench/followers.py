@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--ws", action="store_true", help="WebSocket followers instead of SSE")
     ap.add_argument("--events", type=int, default=50)
     ap.add_argument("--every", type=float, default=0.1, help="seconds between events")
-    ap.add_argument("--threads", type=int, default=0, help="gunicorn threads (default: N + 64)")
+    ap.add_argument("--threads", type=int, default=256, help="gunicorn threads (lmsp serve: 256; a thread per follower: N + 64)")
     ap.add_argument("--storm", type=int, default=1000, help="followers of the connect-storm figure")
     args = ap.parse_args()
     url = create_database("lmsp_bench")
@@ -139,7 +139,7 @@ def main() -> None:
 def run(stack: Stack, url: str, args) -> None:
     n = args.n
     token = stack.token("bench")
-    threads = args.threads or n + 64
+    threads = args.threads
     base = stack.start_api(workers=1, threads=threads, LMSP_MAX_STREAMS_PER_PRINCIPAL=str(n + 10),
                            LMSP_MAX_FOLLOWERS_PER_PROCESS=str(n + 10),
                            LMSP_RATE_LIMIT_PER_SECOND="100000", LMSP_RATE_LIMIT_BURST="100000")
