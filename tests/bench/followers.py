@@ -30,7 +30,7 @@ from common import eventlog, events
 from common.bus import Publisher
 from common.db import make_engine, session_factory, upgrade
 from tests import factories
-from tests.bench.util import children
+from tests.bench.util import _TIMESPEC, _TIMESPEC_SPACE, SO_TIMESTAMPNS, children
 from tests.harness import REDIS_URL, Stack, create_database, drop_database, model_entry
 
 SEQ = re.compile(rb"id: (\d+)\n|\"id\":(\d+),\"event\"")
@@ -62,7 +62,7 @@ class Followers:
         self.arrived: dict[int, dict[int, float]] = {i: {} for i in range(n)}
         self.closed: set[int] = set()
         self.status: dict[int, bytes] = {}
-        self.started = time.monotonic()
+        self.started = time.time()
         key = base64.b64encode(os.urandom(16)).decode()
         upgrade = (f"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
                    f"Sec-WebSocket-Key: {key}\r\n") if ws else ""
@@ -70,6 +70,7 @@ class Followers:
                         f"Accept: text/event-stream\r\n{upgrade}\r\n").encode()
         for i in range(n):
             s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # the kernel's arrival time: no client delay
             s.setblocking(False)
             s.connect_ex(("127.0.0.1", port))
             self.sel.register(s, selectors.EVENT_WRITE, [i, b"", False])
@@ -88,8 +89,13 @@ class Followers:
                         continue
                     self.sel.modify(s, selectors.EVENT_READ, state)
                     continue
+                now = None
                 try:
-                    chunk = s.recv(1 << 16)
+                    chunk, ancillary, _flags, _addr = s.recvmsg(1 << 16, _TIMESPEC_SPACE)
+                    for level, kind, value in ancillary:
+                        if (level, kind) == (socket.SOL_SOCKET, SO_TIMESTAMPNS):
+                            sec, nsec = _TIMESPEC.unpack(value[:_TIMESPEC.size])
+                            now = sec + nsec / 1e9
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError:
@@ -97,7 +103,7 @@ class Followers:
                 if not chunk:
                     self._close(s, i)
                     continue
-                now = time.monotonic()
+                now = now or time.time()
                 if i not in self.status:
                     self.status[i] = chunk[9:12]  # "HTTP/1.1 200" or 101
                 seen = self.arrived[i]
@@ -167,7 +173,7 @@ def run(stack: Stack, url: str, args) -> None:
     deadline = time.monotonic() + 120
     while len(followers.first) + len(followers.closed) < n and time.monotonic() < deadline:
         followers.pump(0.5)
-    connected = time.monotonic() - followers.started
+    connected = time.time() - followers.started
     followers.pump(1.0)
     rss1 = rss_bytes(worker)
     held = len(followers.first) - len(followers.closed & set(followers.first))
@@ -183,9 +189,9 @@ def run(stack: Stack, url: str, args) -> None:
         seq += 1
         delta = events.dumps(events.text_delta(rid, 0, "msg_1", f"word {k} "))
         with sessions() as session:
-            committed[seq] = time.monotonic()
             eventlog.append(session, rid, [(seq, events.TEXT_DELTA, delta)])
             session.commit()
+        committed[seq] = time.time()  # the lag is from the commit (the log's) to the client's socket
         publisher.publish(rid, [(seq, events.TEXT_DELTA, delta)])
         followers.pump(args.every)
     live_seconds = time.monotonic() - live_from
