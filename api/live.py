@@ -502,7 +502,7 @@ class Follower:
     def read_on(self) -> None:
         """The sink took the last page of a replay: the next one."""
         if self.more and self.state != ENDED and not self.reading:
-            self._read(ask_ended=False)
+            self._read(ask_ended=True)  # an empty page after a full one: purged meanwhile (410), or its end
 
     def read_done(self, page: Batch | list[Event] | None, final: bool, closing, error: BaseException | None) -> None:
         self.reading = False

@@ -56,10 +56,11 @@ def rss_bytes(pid: int) -> int:
 class Followers:
     """N raw connections on one selector: each sends its GET and records when each event id arrives."""
 
-    def __init__(self, port: int, path: str, token: str, n: int, ws: bool):
+    def __init__(self, port: int, path: str, token: str, n: int, ws: bool, ramp: int = 0):
         self.sel = selectors.DefaultSelector()
         self.first: dict[int, float] = {}
         self.arrived: dict[int, dict[int, float]] = {i: {} for i in range(n)}
+        self.order: dict[int, list[int]] = {i: [] for i in range(n)}  # every id as it came, repeats too
         self.closed: set[int] = set()
         self.status: dict[int, bytes] = {}
         self.started = time.time()
@@ -68,16 +69,23 @@ class Followers:
                    f"Sec-WebSocket-Key: {key}\r\n") if ws else ""
         self.request = (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
                         f"Accept: text/event-stream\r\n{upgrade}\r\n").encode()
-        for i in range(n):
+        self.port, self.n, self.opened, self.ramp = port, n, 0, ramp or n  # ramp: connects per 50 ms
+        self._open()
+
+    def _open(self) -> None:
+        for i in range(self.opened, min(self.n, self.opened + self.ramp)):
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # the kernel's arrival time: no client delay
             s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
+            s.connect_ex(("127.0.0.1", self.port))
             self.sel.register(s, selectors.EVENT_WRITE, [i, b"", False])
+            self.opened += 1
 
     def pump(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and len(self.closed) < len(self.arrived):
+            if self.opened < self.n:
+                self._open()
             for key, mask in self.sel.select(0.05):
                 s, state = key.fileobj, key.data
                 i = state[0]
@@ -110,6 +118,7 @@ class Followers:
                 for a, b in SEQ.findall(chunk):
                     self.first.setdefault(i, now)
                     seen.setdefault(int(a or b), now)
+                    self.order[i].append(int(a or b))
 
     def _close(self, s, i) -> None:
         self.sel.unregister(s)
@@ -148,6 +157,7 @@ def run(stack: Stack, url: str, args) -> None:
     threads = args.threads
     base = stack.start_api(workers=1, threads=threads, LMSP_MAX_STREAMS_PER_PRINCIPAL=str(n + 10),
                            LMSP_MAX_FOLLOWERS_PER_PROCESS=str(n + 10),
+                           LMSP_MAX_FOLLOWERS_PER_PRINCIPAL=str(n + 10),
                            LMSP_RATE_LIMIT_PER_SECOND="100000", LMSP_RATE_LIMIT_BURST="100000")
     port = int(base.rsplit(":", 1)[1])
     worker = children(stack.procs[-1].pid)[0]
@@ -169,7 +179,7 @@ def run(stack: Stack, url: str, args) -> None:
     storm.close()
     time.sleep(1.0)
 
-    followers = Followers(port, path, token, n, args.ws)
+    followers = Followers(port, path, token, n, args.ws, ramp=200)  # under the listen backlog
     deadline = time.monotonic() + 120
     while len(followers.first) + len(followers.closed) < n and time.monotonic() < deadline:
         followers.pump(0.5)
