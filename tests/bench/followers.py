@@ -179,7 +179,7 @@ def run(stack: Stack, url: str, args) -> None:
     storm.close()
     time.sleep(1.0)
 
-    followers = Followers(port, path, token, n, args.ws, ramp=200)  # under the listen backlog
+    followers = Followers(port, path, token, n, args.ws, ramp=20)  # ~400 connects/s: what one api process accepts here, under its backlog
     deadline = time.monotonic() + 120
     while len(followers.first) + len(followers.closed) < n and time.monotonic() < deadline:
         followers.pump(0.5)
