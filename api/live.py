@@ -553,8 +553,14 @@ class Follower:
         the check may ask the database)."""
         if self.authorized is None or self.checking or now - self.last_auth < self.hub.settings.stream_auth_recheck_seconds:
             return
-        self.last_auth, self.checking = now, True
-        self.hub.check_auth(self)
+        self.last_auth = now
+        peek = getattr(self.authorized, "peek", None)
+        valid = peek() if peek is not None else None
+        if valid is None:
+            self.checking = True
+            self.hub.check_auth(self)
+        elif not valid:
+            self.auth_done(False)
 
     def auth_done(self, valid: bool) -> None:
         self.checking = False
@@ -583,7 +589,8 @@ class Watcher:
     """A thread waiting for a response to change (the long poll of ``GET /tasks/{id}?wait``): each
     batch published for it, as published, and [] when the transport changed (read again)."""
 
-    __slots__ = ("hub", "response_id", "sink", "confirmed", "began", "state", "logged", "reading", "more")
+    __slots__ = ("hub", "response_id", "sink", "confirmed", "began", "state", "logged", "reading", "more",
+                 "last_auth")
 
     def __init__(self, hub: "Hub", response_id: str):
         self.hub, self.response_id = hub, response_id
@@ -591,6 +598,7 @@ class Watcher:
         self.sink.follower = self
         self.confirmed = threading.Event()
         self.began, self.state, self.logged, self.reading, self.more = True, "watch", False, False, False
+        self.last_auth = float("inf")  # nothing to recheck: the long poll checked its token
 
     def deliver(self, batch: Batch, jump: bool = False) -> None:
         self.notify(batch.events)
@@ -988,11 +996,18 @@ class Hub:
                 self._poll(topic, now)
 
     def _tick(self, now: float) -> None:
+        # Thousands of followers a tick: the checks that find nothing to do stay inline.
+        settings = self.settings
+        recheck, beat, ping = settings.stream_auth_recheck_seconds, settings.follower_heartbeat_seconds, \
+            settings.ws_ping_seconds
         for topic in list(self._topics.values()):
             for follower in list(topic.followers):
+                sink = follower.sink
                 try:
-                    follower.sink.tick(now)
-                    if follower.state != ENDED:
+                    if sink.__class__ is SocketSink and (sink.out or now - sink.pinged >= ping if sink.ws
+                                                         else sink.out or now - sink.sent_at >= beat):
+                        sink.tick(now)
+                    if now - follower.last_auth >= recheck and follower.state != ENDED:
                         follower.check_auth(now)
                 except Exception as exc:  # noqa: BLE001
                     self._failed(follower, exc)
