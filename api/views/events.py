@@ -46,9 +46,7 @@ def _open(task_id: str) -> tuple[str, str, int]:
     after = _after()
     with svc.sessions() as session:
         task = followed_task(session, principal(), task_id)
-    expired = task.events_expired or (
-        task.status in TERMINAL and task.ended_at is not None
-        and time.time() - task.ended_at > svc.settings.event_retention_seconds)
+    expired = _expired(task, svc.settings)
     spec = svc.registry.models.get(task.model)
     if spec is not None and not spec.public_capabilities()["event_resume"]:
         raise LMSPError("unsupported_capability", f"Model {task.model} does not offer event streams "
@@ -60,6 +58,12 @@ def _open(task_id: str) -> tuple[str, str, int]:
     return task.id, task.response_id, after
 
 
+def _expired(task, settings) -> bool:
+    """Past its event retention (11.2): its rows purged (SQLite), or its partition dropped (Postgres)."""
+    return task.events_expired or (task.status in TERMINAL and task.ended_at is not None
+                                   and time.time() - task.ended_at > settings.event_retention_seconds)
+
+
 def _ended(task_id: str):
     svc = services()
 
@@ -69,7 +73,7 @@ def _ended(task_id: str):
         problem as an ``error`` event, never silently."""
         with svc.sessions() as session:
             task = session.get(Task, task_id)
-            if task is None or task.events_expired:
+            if task is None or _expired(task, svc.settings):
                 raise LMSPError("event_history_expired", f"The events of task {task_id} passed their "
                                 f"retention while this stream read them; GET /lmsp/v1/tasks/{task_id} "
                                 "has the final result")
