@@ -20,7 +20,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from api import auth, openapi, problems
     from api.extensions import Services
     from api.grammar import GrammarGate
-    from api.live import Hub
+    from api.live import Hub, fd_budget
     from api.ratelimit import AuthFailures, RateLimiter, StreamSlots
     from api.services.idempotency import Claims
     from api.views import dashboard, events, health, metrics, models, responses, tasks
@@ -41,11 +41,10 @@ def create_app(settings: Settings | None = None) -> Flask:
         auth_failures=AuthFailures(settings.auth_failures_per_minute),
         streams=StreamSlots(settings.api_threads - settings.stream_reserved_threads,
                             settings.max_streams_per_principal),
+        followers=StreamSlots(min(settings.max_followers_per_process, fd_budget()),
+                              settings.max_followers_per_principal),
         grammars=GrammarGate(settings),
         claims=Claims(sessions, settings.idempotency_heartbeat_seconds))
-    # Pings notice dead clients; a client message (none is expected) over the cap closes the socket
-    # instead of growing in memory.
-    app.config["SOCK_SERVER_OPTIONS"] = {"ping_interval": settings.ws_ping_seconds, "max_message_size": 65536}
     # Tokenizers count input tokens on every request: load them now, once, not inside the first
     # requests (transformers' lazy imports are not safe to race from many threads).
     for spec in app.extensions["lmsp"].registry.models.values():
@@ -58,7 +57,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     auth.init_app(app)
     for module in (health, metrics, models, responses, tasks, events, openapi, dashboard):
         app.register_blueprint(module.bp)
-    events.sock.init_app(app)
     _end_streams_on_sigterm(app.extensions["lmsp"].hub)
     return app
 
@@ -69,7 +67,7 @@ def _end_streams_on_sigterm(hub) -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def handler(signum, frame):
-        hub.closing.set()
+        hub.begin_shutdown()
         if callable(previous):
             previous(signum, frame)
 

@@ -73,6 +73,12 @@ def hold_stream() -> None:
     g.release_stream = services().streams.acquire(principal())
 
 
+def hold_follower() -> None:
+    """``hold_stream`` for a follower handed to the fan-out thread: it holds no thread, so its slots
+    are many (``max_followers_per_process``); ``api.handover.Handover`` takes it from the request."""
+    g.release_stream = services().followers.acquire(principal())
+
+
 def streamed(resp: Response) -> Response:
     """Move the request's stream slot to ``resp``: Flask tears a request down as soon as its view
     returns, long before a streamed body ends; the WSGI server closes the body when it is done
@@ -91,11 +97,17 @@ def still_authorized():
     """For a long stream: a function telling whether its token is still valid (not revoked)."""
     svc, token_id = services(), g.identity.token_id
 
-    def check() -> bool:
-        now = time.monotonic()
+    def peek() -> bool | None:
+        """The last answer while it is fresh, else None: without a database lookup (the fan-out
+        thread asks this of thousands of followers, and ``check`` only for a stale one)."""
         with _checked_lock:
             when, valid = _checked.get(token_id, (-1e9, True))
-        if now - when < svc.settings.stream_auth_recheck_seconds:
+        return valid if time.monotonic() - when < svc.settings.stream_auth_recheck_seconds else None
+
+    def check() -> bool:
+        now = time.monotonic()
+        valid = peek()
+        if valid is not None:
             return valid
         with svc.sessions() as session:
             valid = is_active(session, token_id)
@@ -104,4 +116,5 @@ def still_authorized():
             for stale in [t for t, (w, _) in _checked.items() if now - w > 60]:
                 del _checked[stale]
         return valid
+    check.peek = peek
     return check

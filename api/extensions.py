@@ -24,7 +24,8 @@ class Services:
     limiter: "object"  # api.ratelimit.RateLimiter
     sender: ThreadPoolExecutor  # sends broker messages after the commit, off the request threads
     auth_failures: "object"  # api.ratelimit.AuthFailures
-    streams: "object"        # api.ratelimit.StreamSlots
+    streams: "object"        # api.ratelimit.StreamSlots: requests that hold a thread
+    followers: "object"      # api.ratelimit.StreamSlots: followers on the fan-out thread
     grammars: "object"       # api.grammar.GrammarGate
     claims: "object"         # api.services.idempotency.Claims
 

@@ -103,10 +103,10 @@ class AuthFailures:
 
 
 class StreamSlots:
-    """Open streams (and other requests that hold a thread while a model generates) in this
-    process: each holds one gthread for its whole life, so the process keeps
-    ``stream_reserved_threads`` back for health probes and short requests, and one principal
-    may hold at most ``max_streams_per_principal`` of the rest."""
+    """Open streams in this process, per principal and in all. Two instances: requests that hold a
+    gthread for their whole life (direct responses, long polls, an event stream the server could
+    not hand over), where the process keeps ``stream_reserved_threads`` back for health probes and
+    short requests; and followers on the fan-out thread (``max_followers_per_*``)."""
 
     def __init__(self, total: int, per_principal: int):
         self.total, self.per_principal = max(1, total), max(1, per_principal)

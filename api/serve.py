@@ -7,6 +7,8 @@ import sys
 from gunicorn import util
 from gunicorn.workers.gthread import ThreadWorker
 
+from api import live
+from api.handover import DETACH
 from api.problems import status_problem
 from common.settings import Settings
 from common.wire import VERSION
@@ -20,11 +22,39 @@ def gunicorn_argv(settings: Settings) -> list[str]:
 
 class Worker(ThreadWorker):
     """gthread, whose own answers to what never reaches the app (a request line or headers too large, a
-    malformed request) are problem documents with LMSP-Version too (9.1, 9.3), not gunicorn's HTML."""
+    malformed request) are problem documents with LMSP-Version too (9.1, 9.3), not gunicorn's HTML; and
+    which lets an event stream take its socket to the fan-out thread (api/handover.py), so that a
+    follower holds no thread of this pool."""
 
     def init_process(self) -> None:
         util.write_error = write_problem  # the one function gunicorn's handle_error answers with
+        self.detached: set = set()  # sockets a view took: gunicorn must neither close nor reuse them
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        app = self.wsgi
+
+        def wsgi(environ, start_response):
+            # HTTP/1 over plain TCP only: a TLS socket or an HTTP/2 stream is not ours to write alone.
+            if not self.cfg.is_ssl and environ.get("SERVER_PROTOCOL") in ("HTTP/1.0", "HTTP/1.1") \
+                    and environ.get("HTTP_VERSION") != "2":
+                environ[DETACH] = self.detached.add
+            return app(environ, start_response)
+        self.wsgi = wsgi
+
+    def finish_request(self, conn, fs) -> None:
+        if conn.sock in self.detached:  # (on the main thread, after the request's thread is done)
+            self.detached.discard(conn.sock)
+            self.nr_conns -= 1
+            return
+        super().finish_request(conn, fs)
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            live.shutdown_all()  # followers are not gunicorn's connections: they end here, resumable
 
 
 def write_problem(sock, status: int, reason: str, detail: str) -> None:

@@ -72,9 +72,15 @@ class Settings(BaseSettings):
     rate_limit_burst: int = 100
     max_queued_tasks_per_principal: int = 1000
     max_queue_depth: int = 10000
-    # Open streams and other long requests (SSE, WebSocket, direct responses): one api thread each.
+    # Requests that hold an api thread while they wait (direct responses, long polls, and event
+    # streams where the socket cannot be handed over: api/live.py).
     stream_reserved_threads: int = 16   # per process, kept for health probes and short requests
     max_streams_per_principal: int = 32  # per process
+    # Followers of task events handed to the process's fan-out thread: memory, not a thread, each.
+    max_followers_per_process: int = Field(10000, ge=1)  # also kept under the process's open-file limit
+    max_followers_per_principal: int = Field(1000, ge=1)  # per process
+    follower_buffer_bytes: Count = 256 * 1024  # a follower whose unsent frames pass this is cut (it resumes)
+    follower_heartbeat_seconds: Interval = 15.0  # an idle SSE follower's keep-alive (a vanished one is seen at once)
     stream_auth_recheck_seconds: Interval = 5.0  # how often an open stream checks its token is not revoked
     ws_ping_seconds: Interval = 10.0        # a WebSocket client that misses a pong for this long is dropped
     auth_failures_per_minute: int = 30   # bad tokens per client address before 429 (no database lookup)

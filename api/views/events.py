@@ -1,24 +1,30 @@
-"""Following a task's events over SSE (7.4) or WebSocket, resumable with after / Last-Event-ID."""
+"""Following a task's events over SSE (7.4) or WebSocket, resumable with after / Last-Event-ID.
 
-import logging
+The view checks the request (token, scope, task, capability, retention, stream caps) and then hands
+the client's socket to the process's fan-out thread (api/live.py, api/handover.py): a follower holds
+no api thread. Where the server cannot hand a socket over, an SSE stream is read by its request
+thread instead (``follow``), with the same follower underneath.
+"""
+
+import base64
+import binascii
 import time
 
-from flask import Blueprint, Response, g, request, stream_with_context
-from flask_sock import ConnectionClosed, Sock
+from flask import Blueprint, Response, request, stream_with_context
 
 from api import params
-from api.auth import check_scope, hold_stream, principal, require, still_authorized, streamed
+from api.auth import hold_follower, hold_stream, principal, require, still_authorized, streamed
 from api.extensions import services
-from api.live import ShuttingDown, follow, stream_error
+from api.handover import Handover, can_detach
+from api.live import SHUTDOWN_NOTE, ShuttingDown, follow, stream_error, ws_accept
 from common import events
 from common.errors import LMSPError
 from common.lifecycle import followed_task
 from common.states import TERMINAL
 from common.tables import Task
 
-log = logging.getLogger("lmsp.events")
 bp = Blueprint("events", __name__, url_prefix="/lmsp/v1/tasks")
-sock = Sock()
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _after() -> int:
@@ -35,14 +41,12 @@ def _after() -> int:
 
 
 def _open(task_id: str) -> tuple[str, str, int]:
-    """Check access, capability and retention; take a stream slot; return (task id, response id, after)."""
+    """Check access, capability and retention; return (task id, response id, after)."""
     svc = services()
     after = _after()
     with svc.sessions() as session:
         task = followed_task(session, principal(), task_id)
-    expired = task.events_expired or (
-        task.status in TERMINAL and task.ended_at is not None
-        and time.time() - task.ended_at > svc.settings.event_retention_seconds)
+    expired = _expired(task, svc.settings)
     spec = svc.registry.models.get(task.model)
     if spec is not None and not spec.public_capabilities()["event_resume"]:
         raise LMSPError("unsupported_capability", f"Model {task.model} does not offer event streams "
@@ -51,28 +55,55 @@ def _open(task_id: str) -> tuple[str, str, int]:
     if expired:
         raise LMSPError("event_history_expired", f"The events of task {task_id} are past their retention; "
                         f"GET /lmsp/v1/tasks/{task_id} has the final result")
-    hold_stream()
     return task.id, task.response_id, after
 
 
-def _follow(task_id: str, response_id: str, after: int):
+def _expired(task, settings) -> bool:
+    """Past its event retention (11.2): its rows purged (SQLite), or its partition dropped (Postgres)."""
+    return task.events_expired or (task.status in TERMINAL and task.ended_at is not None
+                                   and time.time() - task.ended_at > settings.event_retention_seconds)
+
+
+def _ended(task_id: str):
     svc = services()
 
     def ended():
-        """A finished task whose log has nothing after ``after`` ends the stream with no event."""
+        """A finished task whose log has nothing after the follower's point ends its stream with no
+        event; one whose events were purged meanwhile (or gone with the task) ends it with 410's
+        problem as an ``error`` event, never silently."""
         with svc.sessions() as session:
             task = session.get(Task, task_id)
-        return [] if task is None or task.status in TERMINAL else None  # None: purged meanwhile
+            if task is None or _expired(task, svc.settings):
+                raise LMSPError("event_history_expired", f"The events of task {task_id} passed their "
+                                f"retention while this stream read them; GET /lmsp/v1/tasks/{task_id} "
+                                "has the final result")
+            return [] if task.status in TERMINAL else None
+    return ended
 
-    return follow(svc.hub, response_id, after, logged=True, heartbeat=svc.settings.sse_heartbeat_seconds,
-                  ended=ended, authorized=still_authorized())
+
+def _hand_over(task_id: str, response_id: str, after: int, *, ws: bool, status: int, headers: dict) -> Response:
+    svc = services()
+    ended, authorized, path = _ended(task_id), still_authorized(), request.path
+
+    def take(sock, release):
+        svc.hub.attach(sock, ws=ws, path=path, response_id=response_id, after=after, ended=ended,
+                       authorized=authorized, on_close=release)
+
+    hold_follower()
+    return Handover(take, status, headers)
 
 
 @bp.get("/<task_id>/events")
 @require("tasks:read")
 def sse(task_id: str):
     task_id, response_id, after = _open(task_id)
-    batches = _follow(task_id, response_id, after)
+    if can_detach(request.environ):
+        return _hand_over(task_id, response_id, after, ws=False, status=200,
+                          headers={"Content-Type": events.SSE_TYPE, **STREAM_HEADERS})
+    hold_stream()  # this request's thread reads the follower
+    svc = services()
+    batches = follow(svc.hub, response_id, after, logged=True, heartbeat=svc.settings.sse_heartbeat_seconds,
+                     ended=_ended(task_id), authorized=still_authorized())
 
     def body():
         last = after
@@ -84,50 +115,37 @@ def sse(task_id: str):
                 yield events.sse_many(batch)
                 last = batch[-1][0]
         except ShuttingDown:
-            yield ": this server is shutting down; reconnect with Last-Event-ID to continue\n\n"
-        except LMSPError as exc:  # the token was revoked
+            yield SHUTDOWN_NOTE
+        except LMSPError as exc:  # the token was revoked, or the log expired under the replay
             yield stream_error(last, exc.to_problem(instance=request.path))
         except Exception:  # noqa: BLE001 - end with an error event, never half a line
             yield stream_error(last)  # the id to resume from: a client reconnecting misses nothing
         finally:
             batches.close()
 
-    return streamed(Response(stream_with_context(body()), content_type=events.SSE_TYPE,
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
+    return streamed(Response(stream_with_context(body()), content_type=events.SSE_TYPE, headers=STREAM_HEADERS))
 
 
-@bp.before_request
-def _ws_preflight():
-    # flask-sock completes the handshake before calling the view: check access first,
-    # so a refusal is an HTTP problem document, not a broken socket.
-    if request.endpoint == "events.ws":
-        check_scope("tasks:read")
-        g.ws_target = _open(request.view_args["task_id"])
-
-
-@sock.route("/<task_id>/ws", bp=bp)
-def ws(socket, task_id: str):
-    batches = _follow(*g.ws_target)
+# websocket=True: werkzeug routes only upgrade requests here, and answers others (or an upgrade
+# elsewhere) with WebsocketMismatch, a problem document (api/problems.py).
+@bp.get("/<task_id>/ws", websocket=True)
+@require("tasks:read")
+def ws(task_id: str):
+    # Access first (404, 403, 410 ...), then the handshake: every refusal is an HTTP problem document.
+    task_id, response_id, after = _open(task_id)
+    key = request.headers.get("Sec-WebSocket-Key", "")
     try:
-        for batch in batches:
-            if not socket.connected:
-                return  # the client left (or missed its pongs): free the thread
-            while socket.receive(timeout=0) is not None:
-                pass  # the client has nothing to say here: what it sends anyway must not pile up
-            for event in batch or ():
-                socket.send(events.ws_frame(*event))
-    except ShuttingDown:
-        socket.close(reason=1012, message="server restarting; reconnect with after to continue")
-        return
-    except LMSPError as exc:
-        socket.close(reason=1008, message=exc.detail)  # policy violation: the token was revoked
-        return
-    except ConnectionClosed:
-        return
-    except Exception:  # noqa: BLE001 - close with "internal error": the client resumes with after
-        log.exception("websocket stream failed")
-        socket.close(reason=1011, message="the stream failed; reconnect with after to continue")
-        return
-    finally:
-        batches.close()
-    socket.close(reason=1000, message="final event sent")
+        nonce = base64.b64decode(key.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        nonce = b""
+    if len(nonce) != 16:
+        raise LMSPError("invalid_request", "Sec-WebSocket-Key must be 16 bytes in base64 (RFC 6455 4.1)",
+                        param="Sec-WebSocket-Key")
+    if request.headers.get("Sec-WebSocket-Version") != "13":
+        raise LMSPError("invalid_request", "Only WebSocket version 13 is spoken here",
+                        param="Sec-WebSocket-Version", headers={"Sec-WebSocket-Version": "13"})
+    if not can_detach(request.environ):
+        raise LMSPError("invalid_request", "WebSockets need the api's own server (lmsp serve); follow "
+                        "the events over SSE at .../events")
+    return _hand_over(task_id, response_id, after, ws=True, status=101, headers={
+        "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Accept": ws_accept(key)})

@@ -120,7 +120,7 @@ def _wait_seconds(raw: str | None, cap: int) -> float:
 def _wait_for_change(svc, who: str, task_id: str, response_id: str, unchanged, wait: float) -> dict:
     deadline = time.monotonic() + wait
     recheck = WAIT_RECHECK_SECONDS if svc.hub.connected else WAIT_RECHECK_WITHOUT_REDIS
-    with svc.hub.subscribe(response_id) as sub:
+    with svc.hub.watch(response_id) as sub:
         while True:
             # Read after subscribing: a change between the first read and the subscription is seen here.
             doc = _read(svc, who, task_id)

@@ -60,6 +60,7 @@ def token_id(stack, principal):
 def edge(stack, imported, worker):
     """An api with small caps, so the limits can be reached with few connections."""
     return stack.start_api(threads=16, LMSP_STREAM_RESERVED_THREADS="4", LMSP_MAX_STREAMS_PER_PRINCIPAL="8",
+                           LMSP_MAX_FOLLOWERS_PER_PROCESS="12", LMSP_MAX_FOLLOWERS_PER_PRINCIPAL="8",
                            LMSP_WS_PING_SECONDS="3", LMSP_STREAM_AUTH_RECHECK_SECONDS="1",
                            LMSP_AUTH_FAILURES_PER_MINUTE="5", LMSP_IDEMPOTENCY_HEARTBEAT_SECONDS="0.5")
 
@@ -117,7 +118,7 @@ def test_dropped_websocket_followers_do_not_starve_health_or_other_tenants(stack
     opened = [_open_ws(edge, mallory, quiet["id"]) for _ in range(40)]
     statuses = [status for _, status in opened]
     assert statuses.count(101) == 8 and statuses.count(429) == 32  # per-principal cap 8
-    # The process has 16 threads, 4 kept back: 12 stream slots; mallory holds 8 of them.
+    # The process has 12 follower slots (they hold no thread); mallory holds 8 of them.
     theirs = task(t, QUIET)
     followers = [t.http.get(t.url(theirs["events_url"]), stream=True, timeout=30) for _ in range(5)]
     assert [f.status_code for f in followers] == [200] * 4 + [429]

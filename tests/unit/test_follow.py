@@ -5,7 +5,7 @@ import threading
 import time
 
 from api.live import Hub, follow
-from common import events
+from common import eventlog, events
 from tests.harness import parse_sse
 
 ITEM = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
@@ -165,3 +165,49 @@ def test_sse_frames_are_the_spec_form_byte_for_byte(unit, alice):
     assert events.sse_many([(1, events.CREATED, "{}")]) == events.sse(1, events.CREATED, "{}")
     resp = alice.get(f"/lmsp/v1/tasks/{task.id}/events")
     assert resp.status_code == 200 and resp.get_data(as_text=True) == expected
+
+
+def test_a_purge_during_a_replay_ends_with_an_error_event(unit, alice, monkeypatch):
+    """Issue 21: retention purging the log between two pages of a replay ends the stream with the
+    410 problem as an ``error`` event, never silently."""
+    from sqlalchemy import update
+
+    from common.tables import Task
+    monkeypatch.setattr("api.live.PAGE", 2)
+    task = alice.task("succeeded")
+    alice.log(task, _script(task.response_id))
+    read, calls = Hub.read_log, []
+
+    def purge_after_the_first_page(hub, response_id, after):
+        calls.append(after)
+        if len(calls) == 2:  # what worker/recovery.enforce_retention does
+            with unit.sessions() as session:
+                eventlog.purge(session, [response_id])
+                session.execute(update(Task).where(Task.id == task.id).values(events_expired=True))
+                session.commit()
+        return read(hub, response_id, after)
+
+    monkeypatch.setattr(Hub, "read_log", purge_after_the_first_page)
+    received = parse_sse(alice.get(f"/lmsp/v1/tasks/{task.id}/events").get_data(as_text=True).split("\n"))
+    assert [seq for seq, _, _ in received] == [1, 2, 2]
+    assert received[-1][1] == events.ERROR and received[-1][2]["error"]["code"] == "event_history_expired"
+
+
+def test_a_follower_that_is_not_read_is_cut_and_its_memory_freed(unit, alice):
+    """Issue 21: a follower's buffer is bounded; one whose reader stopped is cut (it resumes from the
+    log), not grown for the life of the task."""
+    hub = Hub(unit.settings.model_copy(update={"follower_buffer_bytes": 4096}), unit.sessions)
+    task = alice.task("running")
+    script = _script(task.response_id)
+    alice.log(task, script[:1])
+    stream = follow(hub, task.response_id, 0, logged=True, heartbeat=5, ended=_running)
+    assert [seq for seq, _, _ in next(stream)] == [1]
+    big = events.text_delta(task.response_id, 0, "msg_1", "x" * 1000)
+    for seq in range(2, 40):  # ~40 KB: ten times the bound, read by nobody
+        alice.log(task, [(events.TEXT_DELTA, big)], first=seq)
+        time.sleep(0.01)
+    deadline = time.monotonic() + 5
+    while hub._topics and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not hub._topics  # cut: no longer followed ...
+    assert list(stream) == []  # ... nothing kept for it; the stream just ends, and the client resumes

@@ -1,0 +1,100 @@
+"""Followers hold no api thread (api/live.py, api/handover.py): on a real gunicorn with 4 threads,
+hundreds of SSE and WebSocket followers of one task all get every event once, in order, and end after
+the final one; a follower that stops reading is cut, and resumes from the log. No engine: the test
+writes the task's log and publishes as a worker would. Cost: ~10 s (an api start, 2 token creations)."""
+
+import socket
+import time
+
+import pytest
+
+from common import eventlog, events
+from common.bus import Publisher
+from common.db import make_engine, session_factory
+from tests import factories
+from tests.bench.followers import Followers
+from tests.harness import REDIS_URL
+
+SSE, WS = 150, 50
+
+
+@pytest.fixture(scope="module")
+def small(stack):
+    """An api with 4 threads, 2 kept back: a thread-per-follower server would hold 2 followers."""
+    base = stack.start_api(threads=4, LMSP_STREAM_RESERVED_THREADS="2", LMSP_FOLLOWER_BUFFER_BYTES="65536",
+                           LMSP_RATE_LIMIT_PER_SECOND="10000", LMSP_RATE_LIMIT_BURST="10000")
+    return base, int(base.rsplit(":", 1)[1]), stack.token("fan")
+
+
+@pytest.fixture(scope="module")
+def sessions(pg_url):
+    return session_factory(make_engine(pg_url))
+
+
+def _task(sessions):
+    with sessions() as session:
+        task = factories.task(session, "running", owner="fan", model="m")
+        eventlog.append(session, task.response_id, [(1, events.CREATED, events.dumps(events.created(task.response_id)))])
+        session.commit()
+        return task.id, task.response_id
+
+
+def _write(sessions, publisher, rid, batch):
+    with sessions() as session:
+        eventlog.append(session, rid, batch)
+        session.commit()
+    publisher.publish(rid, batch)
+
+
+def test_hundreds_of_followers_on_four_threads_get_every_event_once(small, sessions):
+    base, port, token = small
+    tid, rid = _task(sessions)
+    publisher = Publisher(REDIS_URL)
+    sse = Followers(port, f"/lmsp/v1/tasks/{tid}/events", token, SSE, ws=False)
+    ws = Followers(port, f"/lmsp/v1/tasks/{tid}/ws", token, WS, ws=True)
+    deadline = time.monotonic() + 30
+    while (len(sse.first) < SSE or len(ws.first) < WS) and time.monotonic() < deadline:
+        sse.pump(0.1)
+        ws.pump(0.1)
+    assert (len(sse.first), len(ws.first)) == (SSE, WS), (set(sse.status.values()), set(ws.status.values()))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as probe:  # a thread is still free
+        probe.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert probe.recv(100).split()[1] == b"200"
+    for seq in range(2, 12):
+        _write(sessions, publisher, rid, [(seq, events.TEXT_DELTA, events.dumps(events.text_delta(rid, 0, "m", f"{seq} ")))])
+        sse.pump(0.02)
+        ws.pump(0.02)
+    name, data = events.final(rid, "completed", usage={"input_tokens": 1, "output_tokens": 10, "total_tokens": 11})
+    _write(sessions, publisher, rid, [(12, name, events.dumps(data))])
+    for followers, n in ((sse, SSE), (ws, WS)):
+        followers.pump(15)
+        assert len(followers.closed) == n  # the server ended every stream after the final event
+        assert all(order == list(range(1, 13)) for order in followers.order.values()), \
+            [order for order in followers.order.values() if order != list(range(1, 13))][:3]
+
+
+def test_a_follower_that_stops_reading_is_cut_and_resumes_from_the_log(small, sessions):
+    base, port, token = small
+    tid, rid = _task(sessions)
+    publisher = Publisher(REDIS_URL)
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's buffer fills
+    slow.connect(("127.0.0.1", port))
+    slow.sendall(f"GET /lmsp/v1/tasks/{tid}/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
+    time.sleep(0.5)
+    big = events.dumps(events.text_delta(rid, 0, "m", "x" * 16384))
+    for first in range(2, 202, 10):  # 3 MiB in commits of 10, far past the kernel's buffers and 64 KiB
+        _write(sessions, publisher, rid, [(seq, events.TEXT_DELTA, big) for seq in range(first, first + 10)])
+    name, data = events.final(rid, "completed", usage={})
+    _write(sessions, publisher, rid, [(202, name, events.dumps(data))])
+    slow.settimeout(10)
+    got = b""
+    while chunk := slow.recv(1 << 16):  # the server cut it: an end of stream before the final event
+        got += chunk
+    slow.close()
+    ids = [int(line[4:]) for line in got.decode(errors="replace").split("\n") if line.startswith("id: ")]
+    complete = [seq for seq in ids if f"id: {seq}\n".encode() in got]
+    assert ids and complete[-1] < 202 and b"response.completed" not in got
+    resumed = Followers(port, f"/lmsp/v1/tasks/{tid}/events?after={complete[-2]}", token, 1, ws=False)
+    resumed.pump(15)
+    assert resumed.order[0] == list(range(complete[-2] + 1, 203)) and resumed.closed == {0}
