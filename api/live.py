@@ -1,7 +1,7 @@
 """Following a response's events: replay the log, then live, never a seq twice, always to the end.
 
 Each api process has one ``Hub``: one Redis subscription (its listener thread) and one fan-out thread
-that runs every follower of the process (docs: DESIGN invariants 9 and 12). A follower is a
+that runs every follower of the process (docs/architecture.md, invariants 9 and 12). A follower is a
 ``Follower`` (states REPLAY, LIVE, GAP, ENDED) whose frames go to a sink:
 
 * ``SocketSink``: the client's own socket, handed over by the WSGI server once the view has checked

@@ -1,6 +1,6 @@
 """Live event notification: Redis pub/sub when configured, else the log itself.
 
-Redis is only a transport (DESIGN invariant 1): a follower always replays the
+Redis is only a transport (docs/architecture.md, invariant 1): a follower always replays the
 log and drops sequence numbers it has already sent, so a lost or duplicated
 notification changes nothing.
 """

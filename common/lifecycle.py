@@ -1,7 +1,7 @@
 """The lifecycle core: every write of a task or response status, and every event row, happens here.
 
 Each operation runs inside the caller's transaction and returns the events to
-publish once it commits (DESIGN invariant 2: persist, then announce). A worker
+publish once it commits (docs/architecture.md, invariant 2: persist, then announce). A worker
 writes only through an ``Attempt``: the attempt number it got when it claimed
 the task is a fencing token, and every write is conditional on it still being
 current, so a worker that lost its task (paused past its lease, cut off from
@@ -278,7 +278,7 @@ def fenced_out(session: Session, attempts: list[Attempt]) -> set[Attempt]:
     return {a for a in attempts if a.response_id not in held}
 
 
-# The writer's group commit on Postgres (DESIGN 11: no per-event round trip, no per-event statement):
+# The writer's group commit on Postgres (docs/architecture.md, invariant 11: no per-event round trip):
 # one statement locks the rows of the attempts still current, exactly as ``fenced_out`` does, and logs
 # the events of those attempts only; the rows go as arrays, unnested by the database.
 _APPEND_PG = f"""

@@ -1,4 +1,4 @@
-"""The event log's partitions on Postgres (DESIGN invariant 13: retention is dropping partitions).
+"""The event log's partitions on Postgres (docs/architecture.md, invariant 13: retention drops partitions).
 
 ``events`` is partitioned by range of ``response_id``. Ids sort by creation time (ULIDs), so partition
 ``events_p<time>`` holds every event of the responses made in one period (``LMSP_EVENT_PARTITION_SECONDS``,

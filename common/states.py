@@ -1,6 +1,6 @@
 """The two state machines: tasks (spec 7.2) and responses (6.2), applied only through conditional UPDATEs.
 
-Only ``common.lifecycle`` calls the transition functions (DESIGN invariant 10).
+Only ``common.lifecycle`` calls the transition functions (docs/architecture.md, invariant 10).
 """
 
 import time

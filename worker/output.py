@@ -2,7 +2,7 @@
 
 The builder is fed text as the engine produces it and returns the events to
 emit. It can also be rebuilt from logged events, which is what makes
-``on_restart: resume`` continue the same items (DESIGN invariant 6).
+``on_restart: resume`` continue the same items (docs/architecture.md, invariant 6).
 """
 
 import json

@@ -1,6 +1,6 @@
 """Restart semantics (7.5), leases, and the background threads every worker runs.
 
-Every non-final state has an owner that moves it on (DESIGN invariant 8): at
+Every non-final state has an owner that moves it on (docs/architecture.md, invariant 8): at
 boot a worker hands on its own unfinished tasks by their ``on_restart`` policy;
 its sweeper does the same for workers whose lease expired, finishes
 cancellations nobody runs, and re-sends broker messages that may be lost; its

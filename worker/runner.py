@@ -1,7 +1,7 @@
 """Running one response on the engine: claim, stream events, finish with exactly one final event.
 
 Every write goes through ``common.lifecycle`` with this worker's attempt, so a
-worker that lost its task stops at its next write (DESIGN invariant 4).
+worker that lost its task stops at its next write (docs/architecture.md, invariant 4).
 """
 
 import json

@@ -1,7 +1,7 @@
 """Group commit for the event log: many responses' events in one transaction, then publish.
 
 Generation threads never wait for Postgres per token; one writer thread commits
-whatever accumulated while the previous commit ran (DESIGN invariant 2:
+whatever accumulated while the previous commit ran (docs/architecture.md, invariant 2:
 committed before published). Every batch belongs to an attempt and is logged
 only while that attempt is current (invariant 4). The thread never dies of a
 bad batch: a batch the database refuses fails its own response, nobody else's.

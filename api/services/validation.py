@@ -1,4 +1,4 @@
-"""Everything a request must pass before it may reach a worker (DESIGN invariant 7)."""
+"""Everything a request must pass before it may reach a worker (docs/architecture.md, invariant 7)."""
 
 from dataclasses import dataclass
 

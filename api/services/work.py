@@ -1,6 +1,6 @@
 """Creating and controlling work: direct responses and durable tasks.
 
-Every row is committed before the broker hears of it (DESIGN invariant 2);
+Every row is committed before the broker hears of it (docs/architecture.md, invariant 2);
 Celery messages are sent only after the transaction commits. Statuses and
 events are written by ``common.lifecycle`` only.
 """

@@ -1,4 +1,4 @@
-"""Claims, sweeps, the writer and retention at scale, on Postgres (DESIGN 11-13, issue 19):
+"""Claims, sweeps, the writer and retention at scale, on Postgres (docs/architecture.md, invariants 11-13):
 
 * with 10,000 queued tasks, 10,000 finished ones and 100 workers, no query a claim, a start, the
   writer's group commit, a follower's read or any sweep makes reads a whole table of tasks, responses
