@@ -11,7 +11,7 @@ import pytest
 
 from common.db import upgrade
 from common.settings import get_settings
-from lmsp import cli
+from lmsp import cli, servers
 from tests.harness import free_port
 from tests.unit.conftest import problem
 
@@ -171,8 +171,8 @@ def test_dev_exits_non_zero_when_a_child_dies(env, capsys, tmp_path, monkeypatch
     from tests.harness import model_entry
     (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [model_entry("m:1")]}))
     env(port=str(free_port()))
-    monkeypatch.setattr(cli.subprocess, "Popen", _Child)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(servers.subprocess, "Popen", _Child)
+    monkeypatch.setattr(servers.signal, "signal", lambda *a: None)
     fails_with(capsys, ("dev",), "the worker of m:1 exited with status 3")
 
 
