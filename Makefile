@@ -72,7 +72,7 @@ browser:
 	  echo "make: could not install chromium (apt-get install -y chromium); the dashboard test will fail"; }
 
 bench: model
-	$(BIN)/python -m tests.bench
+	$(BIN)/python -m tests.bench $(FIGURES)
 
 # Simulated GPUs (engine: sim) against the local Postgres and Redis, N = 4, 8, 16, ... until this machine
 # saturates; LMSP_FLEET_SECONDS (900) bounds it, LMSP_FLEET_OUT (fleet-results.json) gets the figures.

@@ -6,12 +6,14 @@ from functools import wraps
 
 from flask import Flask, Response, g, request
 
-from api.extensions import services
+from api.extensions import end_request_session, request_session, services
 from api.services import tickets
 from common.errors import LMSPError
 from common.tokens import authenticate, hash_secret, is_active, well_formed
 
 PUBLIC = {"health.healthz", "health.readyz", "static", "dashboard.index"}
+# Short requests whose view goes on in the session authentication opened (one connection checkout).
+ONE_SESSION = {"tasks.create", "responses.create"}
 
 
 def init_app(app: Flask) -> None:
@@ -30,8 +32,9 @@ def init_app(app: Flask) -> None:
             raise LMSPError("unauthorized", "The token is unknown or revoked")
         address, digest = request.remote_addr or "unknown", hash_secret(secret)
         svc.auth_failures.check(address, digest)  # an address that keeps guessing costs no lookup
-        with svc.sessions() as session:
-            identity = authenticate(session, secret)
+        identity = authenticate(request_session(), secret)
+        if request.endpoint not in ONE_SESSION:
+            end_request_session()  # a stream must not hold a connection (and a transaction) for its life
         if identity is None:
             svc.auth_failures.failed(address)
             raise LMSPError("unauthorized", "The token is unknown or revoked")
@@ -41,6 +44,7 @@ def init_app(app: Flask) -> None:
 
     @app.teardown_request
     def _release_stream(_exc):
+        end_request_session()
         release = g.pop("release_stream", None)
         if release is not None:
             release()

@@ -36,7 +36,7 @@ def _consume(ctx: WorkerContext, pool: ThreadPoolExecutor) -> None:
         except ValueError:
             log.warning("dropped a message that is not interactive work", exc_info=True)
             return
-        pool.submit(_run, ctx, response_id)
+        pool.submit(_run, ctx, response_id, interactive_wire.prompt_ids(body))
 
     while not ctx.stopping.is_set():
         try:
@@ -52,9 +52,9 @@ def _consume(ctx: WorkerContext, pool: ThreadPoolExecutor) -> None:
             ctx.stopping.wait(1)
 
 
-def _run(ctx: WorkerContext, response_id: str) -> None:
+def _run(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | None = None) -> None:
     try:
-        runner.run_direct(ctx, response_id)
+        runner.run_direct(ctx, response_id, prompt_ids)
     except runner.EngineStopped:
         pass
     except Exception:  # noqa: BLE001

@@ -6,6 +6,7 @@ worker that lost its task stops at its next write (docs/architecture.md, invaria
 
 import json
 import logging
+import os
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -29,6 +30,10 @@ from worker.output import OutputBuilder
 
 log = logging.getLogger("lmsp.runner")
 TASK_PRIORITY, DIRECT_PRIORITY = 1, 0  # vLLM serves lower values first: people at a screen go first
+# For the benchmark only (tests/bench B4, B6): a file that gets "response_id seq t tokens" for each text
+# delta, t being when the engine gave its first token: a follower's lag is measured from the token,
+# and the tokens per second the engine delivers.
+_TOKEN_TIMES = os.environ.get("LMSP_TRACE_TOKEN_TIMES")
 
 
 class EngineStopped(Exception):
@@ -51,6 +56,8 @@ class Job:
         self.entry = ctx.register(attempt)
         self.created_at: float | None = None  # the task's, for its timeline's phase metrics
         self.points: dict = {}  # this attempt's timeline so far (common/timeline.py), Unix seconds
+        self.window_since = 0.0  # wall time of the oldest token not yet emitted (LMSP_TRACE_TOKEN_TIMES)
+        self.window_tokens = 0
 
     # -- event plumbing ---------------------------------------------------------------------
     def number(self, emitted) -> list[tuple[int, str, str]]:
@@ -69,6 +76,8 @@ class Job:
             self.logged = True
         if self.logged:
             self.ctx.writer.submit(self.attempt, batch)
+        if _TOKEN_TIMES:
+            _trace(self.rid, batch, self.window_since, self.window_tokens)
 
     # -- generation ---------------------------------------------------------------------------
     def constrained(self) -> bool:
@@ -78,13 +87,15 @@ class Job:
         mode = {"none": "text", "auto": "tool_auto"}.get(tool_mode(self.req), "tool_forced")
         return OutputBuilder(self.rid, mode, reasoning=self.ctx.spec.reasoning_parser is not None)
 
-    def run(self, builder: OutputBuilder, prior_output_tokens: int = 0) -> None:
+    def run(self, builder: OutputBuilder, prior_output_tokens: int = 0, prompt_ids: list[int] | None = None) -> None:
+        """``prompt_ids``: the prompt as the api tokenized it (a direct request's message), used instead
+        of rendering and tokenizing it again when nothing is to be continued."""
         try:
-            self._run(builder, prior_output_tokens)
+            self._run(builder, prior_output_tokens, prompt_ids)
         finally:
             self.ctx.release(self.attempt)
 
-    def _run(self, builder: OutputBuilder, prior_output_tokens: int) -> None:
+    def _run(self, builder: OutputBuilder, prior_output_tokens: int, prompt_ids: list[int] | None) -> None:
         ctx, settings, entry = self.ctx, self.ctx.settings, self.entry
         engine = ctx.engine
         tokenizer = engine.tokenizer()
@@ -93,7 +104,8 @@ class Job:
         temperature = self.req.temperature if self.req.temperature is not None else ctx.spec.default_temperature
         params = GenParams(max_tokens=max(max_tokens, 1), temperature=temperature, json_schema=schema,
                            priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY)
-        prompt = render(tokenizer, self.req, continuation=builder.raw)
+        prompt = prompt_ids if prompt_ids and not builder.raw else render(tokenizer, self.req,
+                                                                          continuation=builder.raw)
         output_tokens, finish_reason, error = prior_output_tokens, None, None
         # A person reading a stream gets every token at once; a task's log and a non-streamed response
         # get them a few at a time: per event, a row, a publish and a wake-up of every follower.
@@ -117,6 +129,9 @@ class Job:
                         if self.attempt.task_id is not None and not ctx.write(partial(self._start, marks=marks)):
                             entry.cancelled = True
                             break
+                    if _TOKEN_TIMES:
+                        self.window_since = self.window_since if pending_tokens else time.time()
+                        self.window_tokens = pending_tokens + delta.token_ids
                     output_tokens += delta.token_ids
                     pending += delta.text
                     pending_tokens += delta.token_ids
@@ -208,6 +223,12 @@ class Job:
                 self.created_at, self.points["finished_at"], [point]))
 
 
+def _trace(rid: str, batch, since: float, tokens: int) -> None:
+    deltas = [seq for seq, name, _ in batch if name == events.TEXT_DELTA]
+    with open(_TOKEN_TIMES, "a") as f:  # the window's tokens on its first delta
+        f.writelines(f"{rid} {seq} {since:.6f} {tokens if i == 0 else 0}\n" for i, seq in enumerate(deltas))
+
+
 def run_task(ctx: WorkerContext, task_id: str) -> None:
     """A broker delivery: claim the task (queued, or handed on mid-run), or drop a duplicate."""
     with logs.bound(task_id=task_id):
@@ -288,12 +309,12 @@ def hand_on(ctx: WorkerContext, task_id: str, attempt: int | None, why: str, **k
         dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
 
 
-def run_direct(ctx: WorkerContext, response_id: str) -> None:
+def run_direct(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | None = None) -> None:
     with logs.bound(response_id=response_id):
-        _run_direct(ctx, response_id)
+        _run_direct(ctx, response_id, prompt_ids)
 
 
-def _run_direct(ctx: WorkerContext, response_id: str) -> None:
+def _run_direct(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | None) -> None:
     claimed = ctx.write(lambda s: lifecycle.claim_direct(s, response_id, ctx.worker_id))
     if claimed is None:
         return
@@ -301,7 +322,7 @@ def _run_direct(ctx: WorkerContext, response_id: str) -> None:
     job = Job(ctx, attempt, response, 0)
     job.emit([(events.CREATED, events.created(response_id))])
     try:
-        job.run(job.builder())
+        job.run(job.builder(), prompt_ids=prompt_ids)
     except EngineLost:
         # A direct stream cannot be resumed: its client gets response.failed and may send it again.
         job.finish(R.FAILED, [], None, None, lifecycle.restarted_error(

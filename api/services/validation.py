@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from api.grammar import check_budget
 from common.errors import LMSPError
 from common.ids import is_id
-from common.prompt import count_tokens, load_tokenizer, render, tool_call_schema, tool_mode
+from common.prompt import load_tokenizer, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest, parse
 from common.registry import ModelSpec, local_checkpoint
 from common.tables import Response
@@ -20,6 +20,7 @@ class Prepared:
     spec: ModelSpec
     input_tokens: int
     max_tokens: int
+    prompt_ids: list[int] | None = None  # the rendered prompt's tokens, handed to the worker (direct)
 
 
 def _capability(spec: ModelSpec, name: str, what: str, param: str) -> None:
@@ -61,7 +62,8 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
     except (OSError, ValueError) as exc:
         raise LMSPError("model_unavailable", f"The api cannot read the tokenizer of {spec.id} ({exc}); "
                         "its checkpoint must be readable by the api too", retry_after=60) from None
-    input_tokens = count_tokens(tokenizer, render(tokenizer, req))
+    prompt_ids = tokenizer.encode(render(tokenizer, req))
+    input_tokens = len(prompt_ids)
     room = spec.context_window - input_tokens
     if room < 1:
         raise LMSPError("context_length_exceeded", f"The input is {input_tokens} tokens; model "
@@ -69,7 +71,7 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
     max_tokens = min(req.max_output_tokens or spec.max_output_tokens, spec.max_output_tokens, room)
     if constraint is not None:  # the grammar backend's own compile: the costliest check, so the last
         svc.grammars.check(*constraint, local_checkpoint(spec))
-    return Prepared(req, spec, input_tokens, max_tokens)
+    return Prepared(req, spec, input_tokens, max_tokens, prompt_ids)
 
 
 def _constraint(req: ResponseRequest) -> tuple[dict, str] | None:

@@ -33,9 +33,16 @@ def _response_row(prepared: Prepared, principal: str, status: R, stored: bool) -
 
 
 def ensure_available(svc: Services, session: Session, model_id: str) -> None:
+    # A worker found live less than a heartbeat ago is taken as live still, without a query: the
+    # answer is up to a lease old anyway (heartbeats), and a request whose worker is gone fails
+    # model_unavailable or server_restarted through DirectWatch, never waits forever.
+    now = time.monotonic()
+    if now - svc.available.get(model_id, -1e18) < svc.settings.heartbeat_seconds:
+        return
     if not lifecycle.live_workers(session, svc.settings.lease_seconds).get(model_id):
         raise LMSPError("model_unavailable", f"No worker serves {model_id} right now; retry later "
                         "or submit a task, which waits in the queue", retry_after=10)
+    svc.available[model_id] = now
 
 
 def _stored(prepared: Prepared) -> bool:
@@ -46,19 +53,20 @@ def _stored(prepared: Prepared) -> bool:
 
 
 def create_direct(svc: Services, principal: str, prepared: Prepared, before_commit=None,
-                  before_dispatch=None) -> str:
+                  before_dispatch=None, session: Session | None = None) -> str:
     """``before_commit(response_id)`` and ``before_dispatch(response_id)`` run around the commit: the
-    caller subscribes to the response's events there, so it misses none of them."""
+    caller subscribes to the response's events there, so it misses none of them. ``session``: the
+    request's own (closed here), else a new one."""
     row = _response_row(prepared, principal, R.QUEUED, _stored(prepared))
     if before_commit is not None:
         before_commit(row.id)
-    with svc.sessions() as session:
+    with session or svc.sessions() as session:
         ensure_available(svc, session, prepared.spec.id)
         lifecycle.create_direct(session, row)
         session.commit()
     if before_dispatch is not None:
         before_dispatch(row.id)
-    interactive_wire.send(svc.celery, prepared.spec.interactive_queue, row.id)
+    interactive_wire.send(svc.celery, prepared.spec.interactive_queue, row.id, prepared.prompt_ids)
     return row.id
 
 

@@ -4,7 +4,7 @@ from flask import Blueprint, Response, request, stream_with_context
 
 from api.auth import hold_stream, principal, require, streamed
 from api.body import json_body
-from api.extensions import services
+from api.extensions import request_session, services
 from api.live import follow, stream_error
 from api.problems import problem_response
 from api.services import idempotency
@@ -22,8 +22,8 @@ def create():
     body = json_body()
     who = principal()
     key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path, body)
-    with svc.sessions() as session:
-        prepared = prepare(session, svc, who, body)
+    session = request_session()  # the one authentication opened; create_direct commits and closes it
+    prepared = prepare(session, svc, who, body)
     hold_stream()  # the request holds this thread while the model generates
     if key is not None:
         done = svc.claims.begin(key)
@@ -39,7 +39,8 @@ def create():
         svc.hub.confirm(subscription)  # before the dispatch: the first event cannot be published to nobody
 
     try:
-        response_id = create_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed)
+        response_id = create_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed,
+                                    session=session)
     except BaseException:
         if subscription is not None:
             subscription.close()

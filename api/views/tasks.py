@@ -9,7 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from api import params
 from api.auth import hold_stream, principal, require
 from api.body import json_body
-from api.extensions import services
+from api.extensions import request_session, services
 from api.services import idempotency, tickets
 from api.services.validation import prepare
 from api.services.work import (
@@ -52,7 +52,7 @@ def create():
     who = principal()
     envelope = parse(TaskRequest, body)
     key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path, body)
-    with svc.sessions() as session:
+    with request_session() as session:  # the one authentication opened: one checkout per request
         if key is not None and (record := idempotency.existing(session, key)) is not None:
             return _replay(session, who, idempotency.check_replay(record, key))
         try:

@@ -38,7 +38,8 @@ class Run:
     b3_token: str
     b3_principal: str
     worker_proc: object = None
-    notes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # more api processes the bench started (M1 reads them)
+    redis_url: str = ""
 
 
 _local = threading.local()
@@ -219,7 +220,7 @@ def hammer(base: str, method: str, path: str, token: str, body, seconds: float, 
     elapsed = max(ends) - start
     cpu = sum(_cpu(p) for p in api_pids) - cpu0
     total = sum(counts)
-    return {"ok": total, "rate": total / elapsed, "elapsed": elapsed, "errors": dict(errors),
+    return {"ok": total, "rate": total / elapsed, "elapsed": elapsed, "start": start, "errors": dict(errors),
             "error_samples": [s.decode(errors="replace") for s in samples],
             "api_cpu_ms_per_req": 1000 * cpu / total if total else None}
 
@@ -229,6 +230,41 @@ def _cpu(pid: int) -> float:
         return cpu_seconds(pid)
     except OSError:
         return 0.0
+
+
+def queue_of(model: str) -> str:
+    from common.registry import queue_name
+    return queue_name(model)
+
+
+def _broker_keys(queue: str) -> list[str]:
+    # kombu's Redis transport: one list per priority step (common.broker: sep ":", steps 0-9).
+    return [queue, *(f"{queue}:{i}" for i in range(1, 10))]
+
+
+def clear_broker(redis_url: str, queue: str) -> None:
+    """Drop the messages of a queue no worker consumes (B3's parked model)."""
+    import redis
+    redis.Redis.from_url(redis_url).delete(*_broker_keys(queue))
+
+
+def wait_broker(redis_url: str, queue: str, count: int, start: float, timeout: float = 60) -> float:
+    """Seconds from ``start`` (perf_counter) until ``count`` messages are in the queue."""
+    import redis
+    client = redis.Redis.from_url(redis_url)
+    keys = _broker_keys(queue)
+    deadline = time.perf_counter() + timeout
+    while True:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.llen(k)
+        now = time.perf_counter()
+        have = sum(pipe.execute())
+        if have >= count:
+            return now - start
+        if now > deadline:
+            raise TimeoutError(f"{have} of {count} accepted tasks have a broker message after {timeout:g} s")
+        time.sleep(0.002)
 
 
 def api_workers(run: Run, proc=None) -> list[int]:
@@ -264,7 +300,8 @@ def fan_out(run: Run, base: str, clients: int, max_tokens: int, text: str) -> di
             Event.response_id == task["response_id"]).order_by(Event.seq)).all()
     created = dict(rows)
     all_seqs = list(created)
-    lags, steady, arrival, complete, stalled = [], [], [], 0, 0
+    token_at = token_times(run, task["response_id"])
+    lags, insert_lags, arrival, complete, stalled = [], [], [], 0, 0
     heads = [m["headers"] for m in meta if m]
     all_in = max(heads) if heads else float("inf")  # every follower has its response headers
     for i in range(clients):
@@ -277,23 +314,52 @@ def fan_out(run: Run, base: str, clients: int, max_tokens: int, text: str) -> di
             stalled += 1
         connected = meta[i]["sent"]
         for t, arrived, seq in got:
-            # Live events only: those committed after this client asked; older ones are a replay.
+            # Live events only: those whose first token the engine gave after this client asked;
+            # older ones are a replay. The lag runs from that token (the delta window counts).
+            if seq in token_at and token_at[seq] >= connected:
+                lags.append(t - token_at[seq])
+                arrival.append(arrived - token_at[seq])
             if seq in created and created[seq] >= connected:
-                lags.append(t - created[seq])
-                arrival.append(arrived - created[seq])
-                if created[seq] >= all_in:
-                    steady.append(t - created[seq])
+                insert_lags.append(t - created[seq])
     final = get_task(base, run.token, task["id"])
     return {"events": len(all_seqs), "clients": clients, "complete": complete, "stalled_over_1s": stalled,
             "errors": errors[:3], "n_errors": len(errors), "samples": len(lags),
+            "traced_deltas": len(token_at),
             "p50_ms": _ms(percentile(lags, 50)), "p99_ms": _ms(percentile(lags, 99)),
             "max_ms": _ms(max(lags) if lags else None), "task_status": final["status"],
             "all_connected_after_s": (all_in - min(m["sent"] for m in meta if m)) if heads else None,
-            "steady_samples": len(steady), "steady_p50_ms": _ms(percentile(steady, 50)),
-            "steady_p99_ms": _ms(percentile(steady, 99)),
-            # The same lags to the kernel's arrival time at the reading socket, without the time this
-            # process's reader threads wait for the CPU and its GIL (info: how much of a lag is ours).
+            # The same lags from the event's INSERT (what B4 measured before; info).
+            "insert_p50_ms": _ms(percentile(insert_lags, 50)), "insert_p99_ms": _ms(percentile(insert_lags, 99)),
+            # To the kernel's arrival time at the reading socket, without the time this process's
+            # reader threads wait for the CPU and its GIL (info: how much of a lag is ours).
             "arrival_p50_ms": _ms(percentile(arrival, 50)), "arrival_p99_ms": _ms(percentile(arrival, 99))}
+
+
+def token_times(run: Run, response_id: str) -> dict[int, float]:
+    """seq -> wall time the engine gave the first token of that text delta (the worker's
+    LMSP_TRACE_TOKEN_TIMES file)."""
+    path = run.stack.env.get("LMSP_TRACE_TOKEN_TIMES")
+    out: dict[int, float] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                rid, seq, t, _tokens = line.split()
+                if rid == response_id:
+                    out[int(seq)] = float(t)
+    except (OSError, TypeError):
+        pass
+    return out
+
+
+def traced_tokens(run: Run, since: float, until: float) -> int:
+    """Output tokens the worker's engine delivered (every request) between two wall times."""
+    total = 0
+    with open(run.stack.env["LMSP_TRACE_TOKEN_TIMES"]) as f:
+        for line in f:
+            _rid, _seq, t, tokens = line.split()
+            if since <= float(t) < until:
+                total += int(tokens)
+    return total
 
 
 def _ms(x):
@@ -371,6 +437,20 @@ def count_status(run: Run, model: str, statuses: tuple[str, ...]) -> int:
     with run.sessions() as session:
         return session.execute(select(func.count()).select_from(Task).where(
             Task.model == model, Task.status.in_(statuses))).scalar()
+
+
+def batch_state(run: Run, model: str) -> dict:
+    """How many of the model's tasks are queued, claimed without a token yet, and running."""
+    from sqlalchemy import func
+    with run.sessions() as session:
+        rows = session.execute(select(Task.status, func.count()).where(
+            Task.model == model, Task.status.in_(("queued", "loading", "running"))).group_by(Task.status)).all()
+    return {"queued": 0, "loading": 0, "running": 0, **dict(rows)}
+
+
+def loaded(state: dict, full: int, queued: int) -> bool:
+    """A full batch (every engine slot past its first token) with at least ``queued`` waiting behind it."""
+    return state["running"] >= full and state["queued"] >= queued
 
 
 def cancel_unfinished(run: Run, model: str) -> int:

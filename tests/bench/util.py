@@ -231,28 +231,38 @@ def proc_name(pid: int) -> str:
 
 
 class Freezer:
-    """SIGSTOP / SIGCONT a set of processes, so an idle engine cannot take any CPU from the measured side."""
+    """SIGSTOP / SIGCONT a set of processes, so an idle engine cannot take any CPU from the measured side.
+    Each pid is signalled only while it is the same process (same start time) as when it was listed,
+    so a pid reused after its process died is never stopped."""
 
     def __init__(self, name: str, pids_fn):
         self.name = name
         self.pids_fn = pids_fn
-        self.frozen: list[int] = []
+        self.frozen: list[tuple[int, int]] = []
         self.since = None
 
     def freeze(self) -> None:
         if self.frozen:
             return
-        self.frozen = self.pids_fn()
-        for pid in self.frozen:
+        for pid in self.pids_fn():
+            born = start_time(pid)
+            if born is None:
+                continue
             try:
                 os.kill(pid, signal.SIGSTOP)
             except ProcessLookupError:
-                pass
+                continue
+            if start_time(pid) != born:  # it died and its pid was taken between the two reads: undo
+                os.kill(pid, signal.SIGCONT)
+                continue
+            self.frozen.append((pid, born))
         self.since = time.monotonic()
 
     def thaw(self) -> float:
         """Resume; returns how long it was frozen."""
-        for pid in reversed(self.frozen):
+        for pid, born in reversed(self.frozen):
+            if start_time(pid) != born:
+                continue
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
@@ -266,3 +276,53 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU of one process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- identity and CPU pinning of processes ------------------------------------------------------------
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: with its pid, an identity no reuse can fake."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def tree(proc) -> list[int]:
+    """A running Popen's pid and its descendants; nothing once it has exited (its pid may be reused)."""
+    if proc is None or proc.poll() is not None:
+        return []
+    return [proc.pid] + descendants(proc.pid)
+
+
+def affinity(pid: int) -> list[int] | None:
+    try:
+        return sorted(os.sched_getaffinity(pid))
+    except OSError:
+        return None
+
+
+def engine_compute_cpus(root: int) -> list[int]:
+    """The CPUs the vLLM compute processes (``VLLM::Worker...``) under ``root`` are bound to."""
+    prefix = os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::Worker"
+    bound: set[int] = set()
+    for pid in descendants(root):
+        if proc_name(pid).startswith(prefix):
+            bound |= set(affinity(pid) or ())
+    return sorted(bound)
+
+
+def pin_off_engine(pid: int) -> list[int] | None:
+    """Pin every thread of ``pid`` to the CPUs its engine's compute threads are not bound to, as the
+    service's worker pins itself (worker.engine.EngineHost(pin=True)); done from outside, for a
+    process that does not do it itself (vLLM's own server). Returns the CPUs, or None when nothing is
+    left over (then the kernel decides, as it does for the worker)."""
+    bound = set(engine_compute_cpus(pid))
+    free = set(affinity(pid) or ()) - bound
+    if not bound or not free:
+        return None
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), free)
+        except OSError:
+            pass  # the thread ended meanwhile
+    return sorted(free)

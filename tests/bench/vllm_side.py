@@ -54,8 +54,11 @@ class VllmServer:
         return [self.proc.pid] + descendants(self.proc.pid)
 
     def _body(self, text: str, max_tokens: int, stream: bool) -> dict:
-        return {"model": "bench", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+        body = {"model": "bench", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                 "temperature": 0, "stream": stream}
+        if stream:  # the final chunk carries the usage: token totals are compared with the service's
+            body["stream_options"] = {"include_usage": True}
+        return body
 
     def complete(self, text: str, max_tokens: int) -> dict:
         r = requests.post(self.base + "/v1/chat/completions", json=self._body(text, max_tokens, False), timeout=900)
@@ -76,7 +79,7 @@ class VllmServer:
     def stream_ttft(self, text: str, max_tokens: int) -> dict:
         """Seconds from sending to the first non-empty content delta (as service.stream_ttft)."""
         s = RawStream(self.base, "POST", "/v1/chat/completions", "none", self._body(text, max_tokens, True))
-        first, content = None, ""
+        first, content, tokens = None, "", None
         buf = s.rest
         try:
             while True:
@@ -86,7 +89,10 @@ class VllmServer:
                     line = line.rstrip(b"\r")
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
-                    choices = json.loads(line[6:])["choices"]
+                    doc = json.loads(line[6:])
+                    if doc.get("usage"):
+                        tokens = doc["usage"]["completion_tokens"]
+                    choices = doc["choices"]
                     delta = (choices[0]["delta"].get("content") or "") if choices else ""
                     if delta and first is None:
                         first = time.time() - s.sent_at
@@ -97,4 +103,4 @@ class VllmServer:
                 buf += chunk
         finally:
             s.close()
-        return {"ttft": first, "text": content}
+        return {"ttft": first, "text": content, "tokens": tokens}

@@ -1,0 +1,120 @@
+"""The benchmark's own judgement (tests/bench): a figure can fail, and nothing is hidden."""
+
+import subprocess
+import time
+from pathlib import Path
+
+from tests.bench.__main__ import blocks_of, checked, rotated
+from tests.bench.service import loaded
+from tests.bench.util import Freezer, tree
+from tests.bench.verdict import FAIL, NA, PASS, Table, guarded, output_mismatch, reason_of
+
+SAME = {"texts": ["a cat", "a dog"], "tokens": 6}
+
+
+def test_a_figure_whose_sides_generated_different_text_fails_however_fast():
+    table = Table()
+    got = {"engine": [SAME, SAME], "service": [SAME, {"texts": ["a cat", "a fox"], "tokens": 6}]}
+    row = table.add_reps("B1", "tasks ÷ engine", ">= 0.95", lambda m: m >= 0.95, [1.2] * 5,
+                         problems=checked(got, "engine"))
+    assert row["status"] == FAIL
+    assert "service rep 2: 1/2 texts differ" in row["reason"]
+    assert table.exit_code() == 1
+
+
+def test_a_side_that_generates_fewer_tokens_fails_even_with_the_same_text():
+    assert "generated 5 tokens, the baseline 6" in output_mismatch("vllm", SAME, {**SAME, "tokens": 5})
+    assert output_mismatch("vllm", SAME, dict(SAME)) is None
+
+
+def test_an_exception_is_a_fail_row_and_a_failed_phase_keeps_every_row():
+    table = Table()
+
+    def phase():
+        table.add("V1", "v1", "s", "b", 1.1, ">= 1.0", True)
+        raise RuntimeError("vLLM's server exited")
+
+    guarded(table, [("V1", "v1", ">= 1.0"), ("V2", "v2", ">= 0.95"), ("V3", "v3", "<= 10 ms")], phase,
+            log=lambda _: None)
+    assert [(r["id"], r["status"]) for r in table.rows] == [("V1", PASS), ("V2", FAIL), ("V3", FAIL)]
+    assert all("RuntimeError: vLLM's server exited" in r["reason"] for r in table.rows[1:])
+    assert table.exit_code() == 1
+
+
+def test_a_process_that_exited_is_failed_with_its_cause_not_its_log_tail():
+    exc = RuntimeError("worker w exited:\nTraceback (most recent call last):\n  File x\n"
+                       "RuntimeError: Available memory on node 0 is less than requested\n  more noise")
+    assert reason_of(exc) == ("RuntimeError: worker w exited: ... RuntimeError: Available memory on node 0 is "
+                              "less than requested")
+
+
+def test_na_is_a_failure_unless_the_machine_lacks_the_thing():
+    table = Table()
+    table.na("D1", "dtype", ">= 3", "bfloat16 is native here", lacking=True)
+    assert table.rows[0]["status"] == NA and table.exit_code() == 0
+    table.na("B1", "tasks", ">= 0.95", "the engine did not load", lacking=False)
+    assert table.rows[1]["status"] == FAIL and table.exit_code() == 1
+
+
+def test_a_ratio_passes_only_on_its_median_over_enough_reps():
+    table = Table()
+    ok = table.add_reps("V1", "v1", ">= 1.0", lambda m: m >= 1.0, [0.9, 1.01, 1.02, 1.03, 0.98])
+    assert ok["status"] == PASS and ok["value"] == 1.01 and ok["reps"] == [0.9, 1.01, 1.02, 1.03, 0.98]
+    low = table.add_reps("V1", "v1", ">= 1.0", lambda m: m >= 1.0, [1.2, 0.99, 0.98, 0.97, 1.3])
+    assert low["status"] == FAIL
+    few = table.add_reps("V1", "v1", ">= 1.0", lambda m: m >= 1.0, [1.2, 1.3, 1.4])
+    assert few["status"] == FAIL and "3 reps measured, at least 5" in few["reason"]
+    assert "(0.97-1.3, 5 reps)" in table.render()
+
+
+def test_a_figure_without_a_verdict_is_refused():
+    try:
+        Table().add("B0", "info", "s", "b", 1.0, "(info)", None)
+    except ValueError:
+        return
+    raise AssertionError("a row without PASS/FAIL was accepted")
+
+
+def test_reps_alternate_which_side_goes_first():
+    assert [rotated(["a", "b"], r)[0] for r in range(4)] == ["a", "b", "a", "b"]
+    assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert len(blocks_of(30)) >= 5 and sum(blocks_of(30)) == 30
+
+
+def test_b6_times_only_a_full_batch_with_its_queue():
+    assert loaded({"queued": 200, "loading": 0, "running": 64}, 64, 200)
+    assert not loaded({"queued": 200, "loading": 1, "running": 63}, 64, 200)
+    assert not loaded({"queued": 150, "loading": 0, "running": 64}, 64, 200)
+
+
+def test_the_freezer_never_signals_a_pid_whose_process_is_gone():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        freezer = Freezer("x", lambda: tree(proc))
+        freezer.freeze()
+        assert _wait_state(proc.pid, "T")
+        freezer.thaw()
+        assert _wait_state(proc.pid, "S")
+        freezer.freeze()
+        assert _wait_state(proc.pid, "T")
+        freezer.frozen = [(pid, born + 1) for pid, born in freezer.frozen]  # as if the pid were reused
+        freezer.thaw()
+        time.sleep(0.05)
+        assert _state(proc.pid) == "T"  # not continued: it is not the process that was stopped
+    finally:
+        proc.kill()
+        proc.wait()
+    assert tree(proc) == []  # an exited process lists nothing, so its reused pid is never frozen
+
+
+def _wait_state(pid: int, state: str) -> bool:
+    deadline = time.monotonic() + 2
+    while _state(pid) != state:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
