@@ -323,7 +323,15 @@ def _run_direct(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | No
     job.emit([(events.CREATED, events.created(response_id))])
     try:
         job.run(job.builder(), prompt_ids=prompt_ids)
+    except EngineStopped:
+        raise  # the drain (or the next boot) fails it: recovery.fail_direct
     except EngineLost:
         # A direct stream cannot be resumed: its client gets response.failed and may send it again.
         job.finish(R.FAILED, [], None, None, lifecycle.restarted_error(
             "The engine serving this response failed; send the request again"))
+    except Exception:  # noqa: BLE001 - as for tasks: whatever failed, its client must get a final event
+        # e.g. an output the database refuses (a NUL in a tool call's name): left in_progress under a
+        # live worker, the api's watch would never end the stream.
+        log.exception("direct response %s failed unexpectedly", response_id)
+        job.finish(R.FAILED, [], None, None, problem(
+            "generation_failed", "The worker failed on this response; the error is logged"))

@@ -1,0 +1,117 @@
+"""Issue 21's worker-side defects on real Postgres, driving the real runner and lifecycle with a scripted
+engine (the defects live in the worker's logic and the database, not in vLLM's numbers): no engine
+load, one import of vLLM's modules for the whole file."""
+
+import threading
+import time
+
+import pytest
+from sqlalchemy import select
+
+from common import events, lifecycle
+from common.db import make_engine, session_factory
+from common.registry import ModelSpec
+from common.settings import Settings
+from common.states import R
+from common.tables import Response
+from tests import factories
+from tests.harness import model_entry
+
+runner = pytest.importorskip("worker.runner")  # vLLM's modules: the worker's own imports
+from worker.context import WorkerContext  # noqa: E402
+from worker.engine import Delta  # noqa: E402
+from worker.writer import EventWriter  # noqa: E402
+
+MODEL = "smollm2:harden"
+
+
+class ScriptedEngine:
+    """Answers every request with ``text`` in one delta, as the engine's consumer sees it."""
+
+    dead = False
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def tokenizer(self):
+        from common.prompt import load_tokenizer
+        return load_tokenizer(model_entry(MODEL)["checkpoint"])
+
+    def generate(self, request_id, prompt, params):
+        yield Delta(text=self.text, token_ids=3, finish_reason="stop", prompt_tokens=5)
+
+    def abort(self, request_id):
+        pass
+
+    def running(self):
+        return 0
+
+
+class Recorder:
+    """A live publisher (so direct events are not logged, as with Redis) that keeps what it publishes."""
+
+    live = True
+
+    def __init__(self):
+        self.published: dict[str, list] = {}
+
+    def publish(self, response_id, batch):
+        return self.publish_many({response_id: batch})
+
+    def publish_many(self, batches):
+        for rid, batch in batches.items():
+            self.published.setdefault(rid, []).extend(batch)
+        return True
+
+    def abort(self, response_id):
+        pass
+
+
+@pytest.fixture(scope="module")
+def sessions(pg_url):
+    return session_factory(make_engine(pg_url))
+
+
+def worker_ctx(sessions, pg_url, engine, publisher=None) -> WorkerContext:
+    publisher = publisher or Recorder()
+    ctx = WorkerContext(settings=Settings(database_url=pg_url), worker_id=f"w-{time.monotonic_ns()}",
+                        spec=ModelSpec(**model_entry(MODEL)), sessions=sessions, celery=None,
+                        publisher=publisher, writer=None, engine=engine)
+    ctx.writer = EventWriter(sessions, publisher, ctx.lose, ctx.stopping)
+    ctx.engine_ok.set()
+    return ctx
+
+
+def direct_response(sessions, **request) -> str:
+    body = {"model": MODEL, "input": [{"type": "message", "role": "user", "content": "hi"}], **request}
+    with sessions() as session:
+        who = factories.principal(session, "harden")
+        row = lifecycle.new_response(principal=who, model=MODEL, request=body, input_tokens=5, max_tokens=64,
+                                     status=R.QUEUED, stored=False, previous_response_id=None)
+        lifecycle.create_direct(session, row)
+        session.commit()
+    return row.id
+
+
+WEATHER = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+
+
+@pytest.mark.parametrize("call", [
+    '{"name": "get\\u0000weather", "arguments": {}}',        # Postgres JSONB refuses U+0000
+    '{"name": "get_weather", "arguments": {"city": "\\ud800"}}',  # ... and a lone surrogate
+], ids=["nul-in-name", "lone-surrogate-in-arguments"])
+def test_a_direct_response_whose_output_the_database_refuses_ends_failed(sessions, pg_url, call):
+    """Defect 1: the output's JSONB write fails; the response must still end (failed, generation_failed,
+    with its final event published), not stay in_progress under a live worker forever."""
+    ctx = worker_ctx(sessions, pg_url, ScriptedEngine(f"<tool_call>{call}</tool_call>"))
+    rid = direct_response(sessions, tools=WEATHER)
+    try:
+        runner.run_direct(ctx, rid)
+    finally:
+        ctx.stopping.set()
+        ctx.writer.stop()
+    with sessions() as session:
+        row = session.get(Response, rid)
+        assert row.status == R.FAILED and row.error["code"] == "generation_failed", (row.status, row.error)
+    final = ctx.publisher.published[rid][-1]
+    assert final[1] == events.FAILED, ctx.publisher.published[rid]
