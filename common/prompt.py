@@ -185,7 +185,19 @@ def render(tokenizer: ChatTokenizer, req: ResponseRequest, continuation: str = "
                 msgs[0] = {"role": "system", "content": msgs[0]["content"] + "\n\n" + system["content"]}
             else:
                 msgs.insert(0, system)
-    return tokenizer.apply_chat_template(msgs, tools) + continuation
+    try:
+        return tokenizer.apply_chat_template(msgs, tools) + continuation
+    except Exception as exc:  # noqa: BLE001 - raise_exception(), a type error, a recursion: it refuses this input
+        raise PromptError(f"the model's chat template refuses this input: {_reason(exc)}") from exc
+
+
+class PromptError(ValueError):
+    """The chat template cannot render these messages (roles out of order, say)."""
+
+
+def _reason(exc: Exception) -> str:
+    return (str(exc).strip() or type(exc).__name__)[:300] if isinstance(exc, jinja2.TemplateError) \
+        else type(exc).__name__
 
 
 def count_tokens(tokenizer: ChatTokenizer, text: str) -> int:

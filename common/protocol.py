@@ -3,6 +3,7 @@
 Validation errors become ``400 invalid_request`` with ``param`` naming the field.
 """
 
+import json
 from types import UnionType
 from typing import Annotated, Literal, Union, get_args, get_origin
 
@@ -36,11 +37,27 @@ def _json_number(value):
 
 
 def _check_schema(schema: dict) -> dict:
+    dialect = schema.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):  # jsonschema looks it up as a URI: a TypeError
+        raise ValueError("not a valid JSON Schema: $schema must be a string (the URI of a dialect)")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever else the checker chokes on is the client's schema
+        raise ValueError(f"not a valid JSON Schema ({type(exc).__name__})") from None
     return schema
+
+
+def _arguments(text: str) -> str:
+    """Arguments are rendered into the prompt as JSON when they parse as JSON (common.prompt)."""
+    try:
+        json.loads(text)
+    except RecursionError:
+        raise ValueError("is JSON nested too deeply to be rendered") from None
+    except ValueError:
+        pass  # not JSON: rendered as text
+    return text
 
 
 JsonSchema = Annotated[dict, AfterValidator(_check_schema)]
@@ -72,7 +89,7 @@ class FunctionCallItem(Strict):
     id: str | None = None
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
-    arguments: StrictStr
+    arguments: Annotated[StrictStr, AfterValidator(_arguments)]
     status: str | None = None
 
 

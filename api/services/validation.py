@@ -2,13 +2,14 @@
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.grammar import check_budget
 from common.errors import LMSPError
 from common.ids import is_id
-from common.prompt import load_tokenizer, render, tool_call_schema, tool_mode
+from common.prompt import PromptError, load_tokenizer, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest, parse
 from common.registry import ModelSpec, local_checkpoint
 from common.tables import Response
@@ -62,7 +63,10 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
     except (OSError, ValueError) as exc:
         raise LMSPError("model_unavailable", f"The api cannot read the tokenizer of {spec.id} ({exc}); "
                         "its checkpoint must be readable by the api too", retry_after=60) from None
-    prompt_ids = tokenizer.encode(render(tokenizer, req))
+    try:
+        prompt_ids = tokenizer.encode(render(tokenizer, req))
+    except PromptError as exc:
+        raise LMSPError("invalid_request", str(exc), param="input") from None
     input_tokens = len(prompt_ids)
     room = spec.context_window - input_tokens
     if room < 1:
@@ -97,10 +101,16 @@ def _continue(session: Session, principal: str, req: ResponseRequest) -> Respons
     if prev.status not in ("completed", "incomplete"):
         raise LMSPError("invalid_request", f"Response {prev.id} is {prev.status}; only a finished "
                         "response can be continued", param="previous_response_id")
-    items = prev.request["input"] + [_as_input(item) for item in prev.output or []]
     body = req.model_dump(mode="json", by_alias=True, exclude_none=True)
-    body["input"] = items + body["input"]
-    return ResponseRequest.model_validate(body)
+    try:
+        body["input"] = prev.request["input"] + [_as_input(item) for item in prev.output or []] + body["input"]
+        return ResponseRequest.model_validate(body)
+    except (ValidationError, KeyError, TypeError) as exc:
+        # What the model emitted is not always valid input (an empty function name, say): this
+        # response cannot be continued, which is the client's answer, not a server error.
+        why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else "its output is malformed"
+        raise LMSPError("invalid_request", f"Response {prev.id} cannot be continued: {why}; send its "
+                        "context in input instead", param="previous_response_id") from None
 
 
 def _as_input(item: dict) -> dict:

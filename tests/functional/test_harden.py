@@ -2,11 +2,9 @@
 engine (the defects live in the worker's logic and the database, not in vLLM's numbers): no engine
 load, one import of vLLM's modules for the whole file."""
 
-import threading
 import time
 
 import pytest
-from sqlalchemy import select
 
 from common import events, lifecycle
 from common.db import make_engine, session_factory
