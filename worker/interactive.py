@@ -43,6 +43,11 @@ def _consume(ctx: WorkerContext, pool: ThreadPoolExecutor) -> None:
             with ctx.celery.connection_for_read() as conn, \
                     conn.Consumer(interactive_wire.queue(ctx.spec.interactive_queue), callbacks=[on_message], accept=["json"]):
                 while not ctx.stopping.is_set():
+                    if not ctx.ready():
+                        # Engine dead or reloading, or draining: leave the messages to ready workers
+                        # (or to us once ready) rather than fail them or make a drain wait for them.
+                        ctx.stopping.wait(0.2)
+                        continue
                     try:
                         conn.drain_events(timeout=1)
                     except TimeoutError:
@@ -53,6 +58,10 @@ def _consume(ctx: WorkerContext, pool: ThreadPoolExecutor) -> None:
 
 
 def _run(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | None = None) -> None:
+    if not ctx.ready():
+        # Taken just before the engine died or a drain began: back to the queue, for a ready worker.
+        interactive_wire.send(ctx.celery, ctx.spec.interactive_queue, response_id, prompt_ids)
+        return
     try:
         runner.run_direct(ctx, response_id, prompt_ids)
     except runner.EngineStopped:

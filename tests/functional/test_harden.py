@@ -113,3 +113,35 @@ def test_a_direct_response_whose_output_the_database_refuses_ends_failed(session
         assert row.status == R.FAILED and row.error["code"] == "generation_failed", (row.status, row.error)
     final = ctx.publisher.published[rid][-1]
     assert final[1] == events.FAILED, ctx.publisher.published[rid]
+
+
+def test_the_interactive_lane_claims_nothing_while_the_worker_is_not_ready(sessions, pg_url, tmp_path):
+    """Defect 3: a draining worker (or one whose engine is dead or reloading) leaves direct requests in
+    the queue for ready workers instead of claiming them (and failing them server_restarted, or making
+    its drain wait); once ready again it serves them."""
+    from common import interactive_wire
+    from common.broker import make_celery
+    from worker import interactive
+
+    ctx = worker_ctx(sessions, pg_url, ScriptedEngine("Hello"))
+    ctx.celery = make_celery(Settings(home=tmp_path, database_url=pg_url))  # the filesystem broker
+    ctx.draining.set()
+    rid = direct_response(sessions)
+    interactive_wire.send(ctx.celery, ctx.spec.interactive_queue, rid)
+    try:
+        interactive.start(ctx)
+        time.sleep(2)
+        with sessions() as session:
+            assert session.get(Response, rid).status == R.QUEUED
+        ctx.draining.clear()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with sessions() as session:
+                if session.get(Response, rid).status == R.COMPLETED:
+                    break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("not served once ready")
+    finally:
+        ctx.stopping.set()
+        ctx.writer.stop()
