@@ -377,7 +377,8 @@ def _finish_direct(session: Session, attempt: Attempt, status: R, **kw) -> Publi
 
 # -- handing a task on -----------------------------------------------------------------------------
 def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None = None,
-            owner_expired_after: float | None = None, unstarted_again: bool = False) -> tuple[bool, Publish]:
+            owner_expired_after: float | None = None, unstarted_again: bool = False,
+            crashed_after: int | None = None) -> tuple[bool, Publish]:
     """An attempt ended without an outcome (its worker restarted, drained, lost its engine or its
     lease): apply the task's ``on_restart`` policy (7.5). ``cancelling`` -> ``cancelled`` whatever the
     policy; ``fail`` -> ``failed`` with ``error``; ``retry``/``resume`` -> the task keeps its state with
@@ -387,6 +388,9 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
     makes it a takeover: it wins only while the owner's lease is still expired by the database's clock.
     ``unstarted_again``: a task still ``loading`` (no token generated, nothing that could have had an
     effect) is run again whatever its policy: its engine died under it, the service did not restart.
+    ``crashed_after``: the engine died while prefilling this task, which may be what killed it (a poison
+    request): counted, and the task fails ``generation_failed`` at that many crashes instead of going
+    round every worker of its model forever, failing others' running tasks each time.
     Returns (whether a broker message must be sent for the task, events to publish).
     """
     where = [Task.status.in_(LIVE)]
@@ -397,12 +401,18 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
             Worker.heartbeat_at < db_now() - owner_expired_after)))
     # Fence every earlier owner first: the row is ours from here to the commit.
     task = session.execute(update(Task).where(Task.id == task_id, *where).values(
-        attempt=Task.attempt + 1).returning(Task).execution_options(populate_existing=True)).scalar_one_or_none()
+        attempt=Task.attempt + 1, crashes=Task.crashes + int(crashed_after is not None)).returning(Task)
+        .execution_options(populate_existing=True)).scalar_one_or_none()
     if task is None:
         return False, {}
     if task.status == CANCELLING:
         transition(session, task_id, CANCELLED, only_from=[CANCELLING])
         return False, _task_final(session, task, R.CANCELLED)
+    if crashed_after is not None and task.crashes >= crashed_after:
+        error = problem("generation_failed", f"The engine died {task.crashes} times while starting this "
+                        "request (the limit, LMSP_MAX_ATTEMPTS); it is not run again")
+        transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error)
+        return False, _task_final(session, task, R.FAILED, error=error)
     if task.on_restart == "fail" and not (unstarted_again and task.status == LOADING):
         transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error)
         return False, _task_final(session, task, R.FAILED, error=error)

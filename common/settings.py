@@ -54,6 +54,7 @@ class Settings(BaseSettings):
     sweep_seconds: Interval = 10.0
     requeue_after_seconds: int = 60   # a queued task older than this with no claim is dispatched again
     direct_requeue_after_seconds: Interval = 5.0  # the same for a direct response: a person is waiting
+    max_attempts: Count = 3           # engine deaths while a task is prefilled before it fails (a poison request)
     drain_seconds: float = 120.0      # SIGTERM: running generations get this long before they are handed on
     # Event pipeline.
     delta_window_ms: float = 20.0     # coalesce token deltas over this window ...

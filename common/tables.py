@@ -80,6 +80,7 @@ class Task(Base):
     updated_at: Mapped[float] = mapped_column(Float)
     dispatched_at: Mapped[float | None] = mapped_column(Float)      # last broker message (database clock)
     dispatches: Mapped[int] = mapped_column(Integer, default=1)     # messages sent: spaces out re-sends
+    crashes: Mapped[int] = mapped_column(Integer, server_default="0")  # engine deaths while it was prefilled
     ended_at: Mapped[float | None] = mapped_column(Float)
     events_expired: Mapped[bool] = mapped_column(Boolean, default=False)
 

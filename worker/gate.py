@@ -99,6 +99,7 @@ class GatedHost:
         self._waiting: list[Request] = []  # a heap: the most urgent first (loop thread)
         self._first_pending: set[Request] = set()  # admitted, no output yet (loop thread)
         self._requests: dict[str, Request] = {}  # every request being generated (loop thread)
+        self._failed_prefilling: set[str] = set()  # requests that were in their first step when it failed
 
     # -- to implement -----------------------------------------------------------------------------
     async def _pump(self, req: Request, prompt: str | list[int], out: queue.Queue) -> None:
@@ -134,6 +135,8 @@ class GatedHost:
             out.put(RuntimeError(f"request {request_id} cancelled"))
             raise
         except BaseException as e:
+            if req in self._first_pending:
+                self._failed_prefilling.add(request_id)  # before the consumer sees the error
             out.put(e)
             raise
         finally:
@@ -147,6 +150,11 @@ class GatedHost:
 
     def running(self) -> int:
         return len(self._pumps)
+
+    def failed_prefilling(self, request_id: str) -> bool:
+        """Whether ``request_id`` ended in an error while its prompt was being prefilled (admitted, no
+        token yet): when the engine died then, this request may be what killed it."""
+        return request_id in self._failed_prefilling
 
     # -- the gate (loop thread) ---------------------------------------------------------------------
     async def _admit(self, req: Request) -> None:

@@ -41,7 +41,12 @@ class EngineStopped(Exception):
 
 
 class EngineLost(Exception):
-    """The engine died under this request; the attempt is handed on, not failed."""
+    """The engine died under this request; the attempt is handed on, not failed. ``prefilling``: it died
+    during this request's first step, so the request itself may have killed it."""
+
+    def __init__(self, prefilling: bool = False):
+        super().__init__()
+        self.prefilling = prefilling
 
 
 class Job:
@@ -152,7 +157,7 @@ class Job:
             if ctx.stopping.is_set():
                 raise EngineStopped() from exc
             if engine.dead or isinstance(exc, engine.dead_errors):
-                raise EngineLost() from exc
+                raise EngineLost(engine.failed_prefilling(entry.request_id)) from exc
             log.exception("generation failed for %s", self.rid)
             error = problem("generation_failed", f"The engine failed: {type(exc).__name__}")
         if started:
@@ -267,8 +272,9 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
         raise  # the task stays with its attempt: the drain or the next boot hands it on
     except Exception as exc:  # noqa: BLE001 - a bug must not leave a claimed task unfinished forever
         if isinstance(exc, EngineLost) or ctx.engine.dead or not ctx.engine_ok.is_set():
+            crashed = isinstance(exc, EngineLost) and exc.prefilling
             hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed",
-                    unstarted_again=True)
+                    unstarted_again=True, crashed_after=ctx.settings.max_attempts if crashed else None)
             return
         log.exception("task %s failed unexpectedly", task_id)
         error = problem("generation_failed", "The worker failed on this task; the error is logged")

@@ -145,3 +145,56 @@ def test_the_interactive_lane_claims_nothing_while_the_worker_is_not_ready(sessi
     finally:
         ctx.stopping.set()
         ctx.writer.stop()
+
+
+class CrashingEngine(ScriptedEngine):
+    """Dies under every request, during its prefill (``prefilling``) or while it waited for a slot."""
+
+    def __init__(self, prefilling: bool):
+        super().__init__("")
+        self.prefilling = prefilling
+
+    def generate(self, request_id, prompt, params):
+        from vllm.v1.engine.exceptions import EngineDeadError
+        raise EngineDeadError()
+        yield  # a generator, as the engine's
+
+    def failed_prefilling(self, request_id):
+        return self.prefilling
+
+
+def new_task(sessions, on_restart="fail") -> str:
+    with sessions() as session:
+        who = factories.principal(session, "harden")
+        response = lifecycle.new_response(principal=who, model=MODEL, request={
+            "model": MODEL, "input": [{"type": "message", "role": "user", "content": "hi"}]}, input_tokens=5,
+            max_tokens=64, status=R.IN_PROGRESS, stored=False, previous_response_id=None)
+        task = lifecycle.new_task(response, on_restart)
+        lifecycle.create_task(session, response, task, commit=True)
+    return task.id
+
+
+@pytest.mark.parametrize("prefilling", [True, False], ids=["killed-in-its-prefill", "waiting-for-a-slot"])
+def test_a_request_that_kills_the_engine_in_its_prefill_fails_after_max_attempts(sessions, pg_url, tmp_path,
+                                                                                  prefilling):
+    """Defect 5: a poison request is run again at most LMSP_MAX_ATTEMPTS (3) times, then fails
+    generation_failed saying why; a crash is counted only against the request being prefilled."""
+    from common.broker import make_celery
+    from common.tables import Task
+
+    ctx = worker_ctx(sessions, pg_url, CrashingEngine(prefilling))
+    ctx.celery = make_celery(Settings(home=tmp_path, database_url=pg_url))
+    task_id = new_task(sessions)
+    try:
+        for run in range(1, 6):
+            runner.run_task(ctx, task_id)
+            with sessions() as session:
+                task = session.get(Task, task_id)
+            if prefilling and run >= 3:
+                assert task.status == "failed" and task.error["code"] == "generation_failed", task.error
+                assert "LMSP_MAX_ATTEMPTS" in task.error["detail"]
+                break
+            assert task.status == "loading" and task.worker_id is None, (run, task.status)  # queued again
+    finally:
+        ctx.stopping.set()
+        ctx.writer.stop()

@@ -1,0 +1,24 @@
+"""engine crashes per task: a request that kills the engine while it is prefilled is run again only
+up to LMSP_MAX_ATTEMPTS times
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-12-02
+"""
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0004"
+down_revision = "0003"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("tasks") as batch:
+        batch.add_column(sa.Column("crashes", sa.Integer, nullable=False, server_default="0"))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("tasks") as batch:
+        batch.drop_column("crashes")
