@@ -38,6 +38,11 @@ CODES: dict[str, Code] = {
 }
 
 
+# Outcomes of a moment, not of the request: the model had no worker, the service was full or restarted.
+# An Idempotency-Key never keeps them (9.2 replays outcomes, not outages): a retry with it runs again.
+TRANSIENT = frozenset({"rate_limited", "overloaded", "model_unavailable", "server_restarted"})
+
+
 def problem(code: str, detail: str, *, instance: str | None = None, **extra) -> dict:
     """An RFC 9457 problem document (spec 9.3)."""
     spec = CODES[code]

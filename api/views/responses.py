@@ -11,6 +11,7 @@ from api.services import idempotency
 from api.services.validation import prepare
 from api.services.work import DirectWatch, abort_direct, create_direct, response_json, stored_response
 from common import events
+from common.errors import TRANSIENT
 
 bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
 
@@ -94,6 +95,14 @@ def _kept(svc, response_id) -> str | None:
     return None if obj is None else json.dumps(obj)
 
 
+def _keep(svc, key, status: int, body: str, code: str | None) -> None:
+    """Keep a final outcome for the key's replays; a transient failure frees the key instead."""
+    if code in TRANSIENT:
+        svc.claims.abandon(key)
+    else:
+        svc.claims.finish(key, status, body)
+
+
 def _wait(svc, response_id, key, events_):
     finished = False
     try:
@@ -101,7 +110,7 @@ def _wait(svc, response_id, key, events_):
             if event is not None and event[1] in events.FINAL:
                 status, body = _outcome(svc, response_id, event[1], event[2])
                 if key is not None:
-                    svc.claims.finish(key, status, body)
+                    _keep(svc, key, status, body, json.loads(body).get("code") if status >= 400 else None)
                 finished = True
                 return _answer(status, body)
     finally:
@@ -130,7 +139,7 @@ def _stream(svc, response_id, key, events_):
                     if kept is None:  # lost by a database crash: nothing to replay
                         svc.claims.abandon(key)
                     else:
-                        svc.claims.finish(key, 200, kept)
+                        _keep(svc, key, 200, kept, (json.loads(data).get("error") or {}).get("code"))
                 return
     except Exception:  # noqa: BLE001 - the stream must end with an event, never half a line
         yield stream_error(last + 1)  # a direct stream is never resumed: the id just goes on

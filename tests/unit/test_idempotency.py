@@ -1,7 +1,9 @@
 """Idempotency-Key (spec 9.2): the same body replays the outcome, another body is 422, in flight is 409."""
 
 import threading
+import time
 
+import pytest
 from sqlalchemy import func, select
 
 from common.tables import Response, Task
@@ -118,3 +120,27 @@ def test_a_streams_replay_is_the_same_outcome_as_a_stream(unit, alice):
     text = lambda received: "".join(d["delta"] for _, n, d in received if n == events.TEXT_DELTA)  # noqa: E731
     assert text(again) == text(original) == "Hello there"
     assert _responses(unit, alice.principal) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["sync", "stream"])
+def test_a_transient_failure_is_not_kept_for_the_key(tmp_path, stream):
+    """Issue 21 defect 8: a 503 model_unavailable (no worker served the model for a lease) is not an
+    outcome to replay for 24 h: the client retries with the same key and, once a worker is back, gets
+    its response (the Python client retries 503s with the same key)."""
+    from common.tables import Worker
+    from tests.unit.conftest import make_unit
+
+    unit = make_unit(tmp_path, lease_seconds=1, direct_requeue_after_seconds=0.2)
+    with unit.sessions() as session:  # alive when the request comes in, then silent
+        now = time.time()
+        session.merge(Worker(id="silent", model=MODEL, heartbeat_at=now, started_at=now, running=0))
+        session.commit()
+    caller = unit.as_("dana")
+    body, key = request_body(stream=stream), {"Idempotency-Key": "retry-me"}
+    first = caller.post("/lmsp/v1/responses", body, headers=key)
+    text = first.get_data(as_text=True)
+    assert ("model_unavailable" in text) and (first.status_code == (200 if stream else 503)), text
+    with FakeWorker(unit.sessions, MODEL):
+        again = caller.post("/lmsp/v1/responses", body, headers=key)
+    assert again.status_code == 200 and "model_unavailable" not in again.get_data(as_text=True), \
+        again.get_data(as_text=True)
