@@ -58,7 +58,8 @@ class Attempt:
     worker_id: str
 
     def task_where(self):
-        return Task.id == self.task_id, Task.attempt == self.number
+        # The worker too: a claim a database crash lost lets another worker claim the same number.
+        return Task.id == self.task_id, Task.attempt == self.number, Task.worker_id == self.worker_id
 
     def direct_where(self):
         return Response.id == self.response_id, Response.worker_id == self.worker_id
@@ -210,21 +211,32 @@ class Claim:
     fresh: bool          # claimed from queued, not handed on mid-run
 
 
-def claim(session: Session, task_id: str, worker_id: str) -> tuple[Claim | None, Publish]:
+def claim(session: Session, task_id: str, worker_id: str, *, retried: bool = False,
+          busy: frozenset[str] = frozenset()) -> tuple[Claim | None, Publish]:
     """Take a task whose message arrived: a queued one (queued -> loading), or one handed on mid-run
     (loading/running/cancelling with no owner). A new attempt number fences every earlier owner. A
-    duplicate delivery, or a task someone else holds, claims nothing."""
+    duplicate delivery, or a task someone else holds, claims nothing.
+
+    ``retried``: this claim's transaction is being replayed (its commit's reply was lost), so a task
+    still loading under this worker id is our own claim, committed after all, unless it is running
+    here (its response id in ``busy``): taken again rather than left for the sweeper to judge an orphan."""
     # Lazily committed: a claim the database loses in a crash leaves the task queued for the sweeper,
     # and this attempt fenced out of every write; the next ordinary commit makes it durable anyway.
     commit_lazily(session)
     task = transition_returning(session, task_id, LOADING, only_from=[QUEUED], worker_id=worker_id,
                                 attempt=Task.attempt + 1)
-    fresh = task is not None
+    fresh, adopted = task is not None, False
     if not fresh:
         task = session.execute(update(Task).where(
             Task.id == task_id, Task.status.in_(LIVE), Task.worker_id.is_(None)).values(
             worker_id=worker_id, attempt=Task.attempt + 1).returning(Task).execution_options(
             populate_existing=True)).scalar_one_or_none()
+        if task is None and retried:
+            task = session.execute(update(Task).where(
+                Task.id == task_id, Task.status == LOADING, Task.worker_id == worker_id,
+                Task.response_id.not_in(busy)).values(attempt=Task.attempt + 1).returning(Task)
+                .execution_options(populate_existing=True)).scalar_one_or_none()
+            adopted = task is not None
         if task is None:
             return None, {}
     if task.status == CANCELLING:  # cancelled while nobody ran it: finish the cancellation now
@@ -232,6 +244,8 @@ def claim(session: Session, task_id: str, worker_id: str) -> tuple[Claim | None,
         return None, _task_final(session, task, R.CANCELLED)
     response = session.get(Response, task.response_id, populate_existing=True)
     log = [] if fresh else eventlog.read(session, response.id, 0, limit=10**9)
+    if adopted and len(log) <= 1:  # our own claim from queued: nothing ran yet
+        fresh, log = True, []
     return Claim(Attempt(response.id, task.id, task.attempt, worker_id), task, response, log, fresh), {}
 
 
@@ -264,18 +278,18 @@ def fenced_out(session: Session, attempts: list[Attempt]) -> set[Attempt]:
     caller's inserts) and return those that are not."""
     tasks = [a for a in attempts if a.task_id is not None]
     direct = [a for a in attempts if a.task_id is None]
-    held: set[str] = set()
+    held: set[tuple[str, str]] = set()  # (response id, worker id): two workers may hold one attempt number
     if tasks:
         # A no-op UPDATE rather than SELECT ... FOR UPDATE: it locks on SQLite too.
         held |= set(session.execute(update(Task).where(
-            tuple_(Task.id, Task.attempt).in_([(a.task_id, a.number) for a in tasks]),
-            Task.status.in_(LIVE)).values(attempt=Task.attempt).returning(Task.response_id)).scalars())
+            tuple_(Task.id, Task.attempt, Task.worker_id).in_([(a.task_id, a.number, a.worker_id) for a in tasks]),
+            Task.status.in_(LIVE)).values(attempt=Task.attempt).returning(Task.response_id, Task.worker_id)).all())
     if direct:
         held |= set(session.execute(update(Response).where(
             tuple_(Response.id, Response.worker_id).in_([(a.response_id, a.worker_id) for a in direct]),
             Response.status == R.IN_PROGRESS).values(worker_id=Response.worker_id)
-            .returning(Response.id)).scalars())
-    return {a for a in attempts if a.response_id not in held}
+            .returning(Response.id, Response.worker_id)).all())
+    return {a for a in attempts if (a.response_id, a.worker_id) not in held}
 
 
 # The writer's group commit on Postgres (docs/architecture.md, invariant 11: no per-event round trip):
@@ -349,6 +363,8 @@ def finish(session: Session, attempt: Attempt, status: R, *, first_seq: int, emi
                               usage=usage, error=error, logged=logged)
     fence = attempt.task_where()
     target = TASK_OUTCOME[status]
+    if target == SUCCEEDED:  # a lazily committed start a database crash lost leaves it loading
+        transition(session, attempt.task_id, RUNNING, only_from=[LOADING], where=fence)
     won = target != CANCELLED and transition(
         session, attempt.task_id, target, only_from=[RUNNING] if target == SUCCEEDED else [LOADING, RUNNING],
         where=fence, error=error if target == FAILED else None)
@@ -365,7 +381,7 @@ def finish(session: Session, attempt: Attempt, status: R, *, first_seq: int, emi
 
 def _finish_direct(session: Session, attempt: Attempt, status: R, **kw) -> Publish:
     row = session.execute(select(Response.status, Response.worker_id).where(
-        Response.id == attempt.response_id)).one()
+        Response.id == attempt.response_id).with_for_update()).one()  # an abort waits for this commit
     if row.status == R.CANCELLED:  # the api marked it: its client went away; keep what it cost
         session.execute(update(Response).where(Response.id == attempt.response_id).values(
             output=kw["output"], usage=kw["usage"]))

@@ -105,14 +105,21 @@ class WorkerContext:
             if (entry := self.attempts.get(attempt.response_id)) is not None and entry.attempt == attempt:
                 del self.attempts[attempt.response_id]
 
+    def running(self, attempt: Attempt) -> bool:
+        """Whether an attempt equal to ``attempt`` runs here already."""
+        with self.lock:
+            entry = self.attempts.get(attempt.response_id)
+            return entry is not None and entry.attempt == attempt
+
     def running_ids(self) -> set[str]:
         with self.lock:
             return set(self.attempts)
 
-    def _stop(self, response_id: str, **flags) -> None:
+    def _stop(self, response_id: str, attempt: Attempt | None = None, **flags) -> None:
+        """``attempt``: stop only that attempt (an older one's loss must not stop a newer one here)."""
         with self.lock:
             entry = self.attempts.get(response_id)
-            if entry is None:
+            if entry is None or (attempt is not None and entry.attempt != attempt):
                 return
             for name, value in flags.items():
                 setattr(entry, name, value)
@@ -128,8 +135,8 @@ class WorkerContext:
         if write_error is None:
             log.warning("attempt %s of %s was taken over; aborting its generation", attempt.number,
                         attempt.task_id or attempt.response_id)
-            self._stop(attempt.response_id, fenced=True)
+            self._stop(attempt.response_id, attempt, fenced=True)
         else:
             log.error("events of %s could not be logged (%s); it fails alone", attempt.response_id,
                       write_error["detail"])
-            self._stop(attempt.response_id, write_error=write_error)
+            self._stop(attempt.response_id, attempt, write_error=write_error)

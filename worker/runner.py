@@ -248,9 +248,16 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
         dispatch(ctx.celery, ctx.spec.queue, {"task_id": task_id}, BACKGROUND)
         return
     points = {"delivered_at": time.time()}
-    claimed = ctx.write(lambda s: _claim(s, ctx, task_id, points))[0]
-    if claimed is None:
-        return
+    tries = 0
+
+    def claim(session):
+        nonlocal tries
+        tries += 1  # a replay: the first commit's reply may have been lost after it committed
+        return _claim(session, ctx, task_id, points, retried=tries > 1)
+
+    claimed = ctx.write(claim)[0]
+    if claimed is None or ctx.running(claimed.attempt):
+        return  # a thread here runs this very attempt: its claim was lost by a database crash, then redone
     try:
         job = Job(ctx, claimed.attempt, claimed.response, claimed.log[-1][0] if claimed.log else 1)
         job.created_at, job.points = claimed.task.created_at, points
@@ -284,9 +291,10 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
             pass
 
 
-def _claim(session, ctx: WorkerContext, task_id: str, points: dict):
+def _claim(session, ctx: WorkerContext, task_id: str, points: dict, retried: bool = False):
     """The claim, and its attempt's first points on the timeline, in one transaction."""
-    claimed, publish = lifecycle.claim(session, task_id, ctx.worker_id)
+    claimed, publish = lifecycle.claim(session, task_id, ctx.worker_id, retried=retried,
+                                       busy=frozenset(ctx.running_ids()))
     if claimed is not None:
         points["claimed_at"] = time.time()
         timeline.claimed(session, claimed.attempt, **points)

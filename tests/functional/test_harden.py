@@ -198,3 +198,35 @@ def test_a_request_that_kills_the_engine_in_its_prefill_fails_after_max_attempts
     finally:
         ctx.stopping.set()
         ctx.writer.stop()
+
+
+def test_a_direct_finish_racing_an_abort_ends_with_one_consistent_outcome(sessions):
+    """Defect 9: _finish_direct read the status without a lock, so an abort committing meanwhile left a
+    cancelled row whose published final event said completed. With the row locked, the finish waits and
+    finishes the cancellation."""
+    import threading
+
+    rid = direct_response(sessions)
+    with sessions() as session:
+        attempt, _ = lifecycle.claim_direct(session, rid, "w-race")
+        session.commit()
+    aborting = sessions()
+    lifecycle.abort_direct(aborting, rid)  # holds the row until it commits
+    outcome = {}
+
+    def finish():
+        with sessions() as session:
+            outcome["publish"] = lifecycle.finish(session, attempt, R.COMPLETED, first_seq=2, emitted=[],
+                                                  output=[], usage={"input_tokens": 1, "output_tokens": 1,
+                                                                    "total_tokens": 2}, logged=False)
+            session.commit()
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    time.sleep(1)
+    aborting.commit()
+    aborting.close()
+    thread.join(30)
+    with sessions() as session:
+        status = session.get(Response, rid).status
+    assert (status, outcome["publish"][rid][-1][1]) == (R.CANCELLED, events.CANCELLED)
