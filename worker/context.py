@@ -46,6 +46,7 @@ class WorkerContext:
     attempts: dict[str, Inflight] = field(default_factory=dict)         # response id -> attempt
     lock: threading.Lock = field(default_factory=threading.Lock)
     new_engine: Callable[[], object] | None = None  # loads a fresh engine (after the old one died)
+    engine_lost_at: float | None = None  # monotonic time the engine was found dead (until a new one loads)
     db_ok_since: float | None = None    # monotonic time of the first heartbeat after a database outage
     orphans: set = field(default_factory=set)  # own tasks seen not running at the last sweep
     _broker_run_id: str | None = None

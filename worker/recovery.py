@@ -174,6 +174,9 @@ def heartbeat(ctx: WorkerContext, stopped: bool = False, boot: bool = False) -> 
         ctx.db_ok_since = time.monotonic()
 
 
+ENGINE_RELOAD_SECONDS = 600  # a dead engine not replaced by then: the process exits (code 71)
+
+
 def watch_engine(ctx: WorkerContext) -> None:
     """A dead engine makes this worker stop claiming (its running attempts are handed on by their
     policy, in their own threads), then a new engine is loaded; a writer that died ends the process."""
@@ -182,11 +185,23 @@ def watch_engine(ctx: WorkerContext) -> None:
         ctx.stopping.set()
         ctx.engine.shutdown()
         os._exit(70)
-    if not ctx.engine_ok.is_set() or not ctx.engine.dead or ctx.stopping.is_set():
+    if not ctx.engine.dead or ctx.stopping.is_set():
         return
-    log.error("the engine died; not claiming until a new one is loaded")
-    ctx.engine_ok.clear()
-    heartbeat(ctx)  # /models shows it unavailable now
+    # Every pass until a new engine is loaded: one that failed half-way (the database away, a stale
+    # engine that would not die) must not leave the worker alive, healthy-looking and engineless.
+    now = time.monotonic()
+    if ctx.engine_ok.is_set():
+        log.error("the engine died; not claiming until a new one is loaded")
+        ctx.engine_ok.clear()
+        ctx.engine_lost_at = now
+    elif now - (ctx.engine_lost_at or now) > ENGINE_RELOAD_SECONDS:
+        log.critical("no new engine for %d s; exiting so a supervisor restarts this worker", ENGINE_RELOAD_SECONDS)
+        ctx.stopping.set()
+        os._exit(71)
+    try:
+        heartbeat(ctx)  # /models shows it unavailable now
+    except SQLAlchemyError:
+        log.warning("the database is away; reloading the engine anyway")
     deadline = time.monotonic() + 60
     while ctx.running_ids() and time.monotonic() < deadline:
         time.sleep(0.2)  # each attempt sees the engine error and hands its task on

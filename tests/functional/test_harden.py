@@ -230,3 +230,31 @@ def test_a_direct_finish_racing_an_abort_ends_with_one_consistent_outcome(sessio
     with sessions() as session:
         status = session.get(Response, rid).status
     assert (status, outcome["publish"][rid][-1][1]) == (R.CANCELLED, events.CANCELLED)
+
+
+def test_the_engine_watch_reloads_after_a_pass_that_failed_half_way(sessions, pg_url):
+    """Defect 2: the engine dies while Postgres is unreachable; the watch's first pass fails (its
+    heartbeat cannot be written). The next pass must still load a new engine, not return early for good
+    (no engine, never exiting, /healthz 200)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from worker import recovery
+
+    dead = ScriptedEngine("")
+    dead.dead = True
+    dead.shutdown = lambda: None
+    loaded = []
+    ctx = worker_ctx(sessions, pg_url, dead)
+    ctx.new_engine = lambda: loaded.append(ScriptedEngine("")) or loaded[-1]
+    ctx.sessions = session_factory(make_engine("postgresql://postgres@127.0.0.1:1/down"))  # refused
+    try:
+        try:
+            recovery.watch_engine(ctx)
+        except SQLAlchemyError:
+            pass  # the loop around it logs this and calls it again
+        ctx.sessions = sessions  # Postgres is back
+        recovery.watch_engine(ctx)
+        assert loaded and ctx.engine is loaded[-1] and ctx.engine_ok.is_set()
+    finally:
+        ctx.stopping.set()
+        ctx.writer.stop()
