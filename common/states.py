@@ -3,11 +3,12 @@
 Only ``common.lifecycle`` calls the transition functions (docs/architecture.md, invariant 10).
 """
 
-import time
 from enum import StrEnum
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
+
+from common.db import db_now
 
 
 class TaskState(StrEnum):
@@ -75,7 +76,7 @@ def _move(model, row_id: str, target: str, table, only_from, where, values):
         allowed_from = [s for s in allowed_from if s in set(only_from)]
     if not allowed_from:
         return None
-    now = time.time()
+    now = db_now()  # ended_at is judged by retention and the 410 check: one clock for every replica
     stmt = (update(model).where(model.id == row_id, model.status.in_(allowed_from), *where)
             .values(status=target, updated_at=now, **values))
     if table is TRANSITIONS and target in TERMINAL:

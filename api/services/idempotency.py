@@ -12,6 +12,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from common.db import db_now
 from common.errors import LMSPError
 from common.tables import IdempotencyRecord
 
@@ -82,15 +83,18 @@ class Claims:
         """Claim the key; return a finished record to replay instead."""
         for _ in range(2):
             with self.sessions() as session:
+                # Staleness by the database's clock: replicas' clocks may disagree, and a live claim
+                # taken for stale would run the request twice.
+                if session.execute(delete(IdempotencyRecord).where(
+                        *key.where(), IdempotencyRecord.status_code.is_(None),
+                        IdempotencyRecord.created_at < db_now() - 3 * self.beat)).rowcount:
+                    session.commit()
                 record = existing(session, key)
                 if record is not None:
-                    if record.status_code is None and time.time() - record.created_at > 3 * self.beat:
-                        session.execute(delete(IdempotencyRecord).where(
-                            *key.where(), IdempotencyRecord.created_at == record.created_at))
-                        session.commit()
-                        continue
                     return check_replay(record, key)
-                session.add(record_for_insert(key))
+                claim = record_for_insert(key)
+                claim.created_at = db_now()  # its heartbeats and staleness are judged by this clock too
+                session.add(claim)
                 try:
                     session.commit()
                 except IntegrityError:
@@ -107,7 +111,7 @@ class Claims:
     def finish(self, key: Key, status_code: int, body: str) -> None:
         with self.sessions() as session:
             session.execute(update(IdempotencyRecord).where(*key.where())
-                            .values(status_code=status_code, body=body, created_at=time.time()))
+                            .values(status_code=status_code, body=body, created_at=db_now()))
             session.commit()
         self._drop(key)
 
@@ -132,7 +136,7 @@ class Claims:
                 continue
             try:
                 with self.sessions() as session:
-                    now = time.time()
+                    now = db_now()
                     for principal, method, path, name in keys:
                         session.execute(update(IdempotencyRecord).where(
                             IdempotencyRecord.principal_id == principal, IdempotencyRecord.method == method,

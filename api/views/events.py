@@ -8,9 +8,9 @@ thread instead (``follow``), with the same follower underneath.
 
 import base64
 import binascii
-import time
 
 from flask import Blueprint, Response, request, stream_with_context
+from sqlalchemy import select
 
 from api import params
 from api.auth import hold_follower, hold_stream, principal, require, still_authorized, streamed
@@ -18,6 +18,7 @@ from api.extensions import services
 from api.handover import Handover, can_detach
 from api.live import SHUTDOWN_NOTE, ShuttingDown, follow, stream_error, ws_accept
 from common import events
+from common.db import db_now
 from common.errors import LMSPError
 from common.lifecycle import followed_task
 from common.states import TERMINAL
@@ -46,7 +47,7 @@ def _open(task_id: str) -> tuple[str, str, int]:
     after = _after()
     with svc.sessions() as session:
         task = followed_task(session, principal(), task_id)
-    expired = _expired(task, svc.settings)
+    expired = _expired(task, svc.settings, task.ended_ago)
     spec = svc.registry.models.get(task.model)
     if spec is not None and not spec.public_capabilities()["event_resume"]:
         raise LMSPError("unsupported_capability", f"Model {task.model} does not offer event streams "
@@ -58,10 +59,11 @@ def _open(task_id: str) -> tuple[str, str, int]:
     return task.id, task.response_id, after
 
 
-def _expired(task, settings) -> bool:
-    """Past its event retention (11.2): its rows purged (SQLite), or its partition dropped (Postgres)."""
-    return task.events_expired or (task.status in TERMINAL and task.ended_at is not None
-                                   and time.time() - task.ended_at > settings.event_retention_seconds)
+def _expired(task, settings, ended_ago: float | None) -> bool:
+    """Past its event retention (11.2): its rows purged (SQLite), or its partition dropped (Postgres).
+    ``ended_ago``: seconds since it ended by the database's clock (replicas' own clocks may disagree)."""
+    return task.events_expired or (task.status in TERMINAL and ended_ago is not None
+                                   and ended_ago > settings.event_retention_seconds)
 
 
 def _ended(task_id: str):
@@ -73,7 +75,9 @@ def _ended(task_id: str):
         problem as an ``error`` event, never silently."""
         with svc.sessions() as session:
             task = session.get(Task, task_id)
-            if task is None or _expired(task, svc.settings):
+            ago = None if task is None or task.ended_at is None else \
+                session.execute(select(db_now())).scalar() - task.ended_at
+            if task is None or _expired(task, svc.settings, ago):
                 raise LMSPError("event_history_expired", f"The events of task {task_id} passed their "
                                 f"retention while this stream read them; GET /lmsp/v1/tasks/{task_id} "
                                 "has the final result")

@@ -1,0 +1,37 @@
+"""Issue 21 defect 10: what replicas judge by time uses the database's clock, never their own, so a
+replica whose clock is off neither takes a live Idempotency-Key over nor expires fresh events."""
+
+import time
+
+import pytest
+
+from api.services import idempotency
+from common.errors import LMSPError
+
+AHEAD = 25 * 3600  # a replica whose clock runs a day ahead
+
+
+@pytest.fixture
+def skewed(monkeypatch):
+    """From here on this process is the skewed replica."""
+    real = time.time
+    return lambda: monkeypatch.setattr(time, "time", lambda: real() + AHEAD)
+
+
+def test_a_skewed_replica_does_not_take_a_live_idempotency_key_over(unit, skewed):
+    key = idempotency.key_from("live-key", "skew", "POST", "/lmsp/v1/responses", {"a": 1})
+    from tests import factories
+    with unit.sessions() as session:
+        factories.principal(session, "skew")
+        session.commit()
+    assert idempotency.Claims(unit.sessions, beat=10).begin(key) is None  # in flight on one replica
+    skewed()
+    with pytest.raises(LMSPError) as err:
+        idempotency.Claims(unit.sessions, beat=10).begin(key)  # a retry reaches another replica
+    assert err.value.code == "idempotency_key_in_use"
+
+
+def test_a_skewed_replica_does_not_expire_fresh_events(unit, alice, skewed):
+    task = alice.task("succeeded", ended_at=time.time())
+    skewed()
+    assert alice.get(f"/lmsp/v1/tasks/{task.id}/events").status_code == 200
