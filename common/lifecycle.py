@@ -211,11 +211,11 @@ class Claim:
     fresh: bool          # claimed from queued, not handed on mid-run
 
 
-def claim(session: Session, task_id: str, worker_id: str, *, retried: bool = False,
+def claim(session: Session, task_id: str, worker_id: str, *, model: str | None = None, retried: bool = False,
           busy: frozenset[str] = frozenset()) -> tuple[Claim | None, Publish]:
     """Take a task whose message arrived: a queued one (queued -> loading), or one handed on mid-run
     (loading/running/cancelling with no owner). A new attempt number fences every earlier owner. A
-    duplicate delivery, or a task someone else holds, claims nothing.
+    duplicate delivery, a task someone else holds, or one of another ``model`` claims nothing.
 
     ``retried``: this claim's transaction is being replayed (its commit's reply was lost), so a task
     still loading under this worker id is our own claim, committed after all, unless it is running
@@ -223,12 +223,13 @@ def claim(session: Session, task_id: str, worker_id: str, *, retried: bool = Fal
     # Lazily committed: a claim the database loses in a crash leaves the task queued for the sweeper,
     # and this attempt fenced out of every write; the next ordinary commit makes it durable anyway.
     commit_lazily(session)
-    task = transition_returning(session, task_id, LOADING, only_from=[QUEUED], worker_id=worker_id,
+    mine = () if model is None else (Task.model == model,)
+    task = transition_returning(session, task_id, LOADING, only_from=[QUEUED], where=mine, worker_id=worker_id,
                                 attempt=Task.attempt + 1)
     fresh, adopted = task is not None, False
     if not fresh:
         task = session.execute(update(Task).where(
-            Task.id == task_id, Task.status.in_(LIVE), Task.worker_id.is_(None)).values(
+            Task.id == task_id, Task.status.in_(LIVE), Task.worker_id.is_(None), *mine).values(
             worker_id=worker_id, attempt=Task.attempt + 1).returning(Task).execution_options(
             populate_existing=True)).scalar_one_or_none()
         if task is None and retried:
@@ -249,9 +250,12 @@ def claim(session: Session, task_id: str, worker_id: str, *, retried: bool = Fal
     return Claim(Attempt(response.id, task.id, task.attempt, worker_id), task, response, log, fresh), {}
 
 
-def claim_direct(session: Session, response_id: str, worker_id: str) -> tuple[Attempt, Response] | None:
+def claim_direct(session: Session, response_id: str, worker_id: str,
+                 model: str | None = None) -> tuple[Attempt, Response] | None:
     commit_lazily(session)  # on the way to a person's first token, like create_direct
-    row = respond_returning(session, response_id, R.IN_PROGRESS, only_from=[R.QUEUED], worker_id=worker_id)
+    mine = () if model is None else (Response.model == model,)
+    row = respond_returning(session, response_id, R.IN_PROGRESS, only_from=[R.QUEUED], where=mine,
+                            worker_id=worker_id)
     return None if row is None else (Attempt(response_id, None, 0, worker_id), row)
 
 
@@ -456,21 +460,43 @@ def fail_write(session: Session, attempt: Attempt, error: dict) -> Publish:
 
 
 # -- the api's side ------------------------------------------------------------------------------------
-def cancel(session: Session, task: Task) -> tuple[bool, Publish]:
-    """7.3. Returns (whether the owning worker must be told to stop, events to publish)."""
+def cancel(session: Session, task: Task, lease_seconds: float | None = None) -> tuple[bool, Publish]:
+    """7.3. Returns (whether the owning worker must be told to stop, events to publish). A task whose
+    owner's lease expired (by the database's clock) is cancelled at once: with no worker alive at all,
+    no sweeper would ever finish its cancellation."""
     if task.status == QUEUED and transition(session, task.id, CANCELLED, only_from=[QUEUED]):
         return False, _task_final(session, task, R.CANCELLED)  # no worker owns a queued task
-    if transition(session, task.id, CANCELLING, only_from=[LOADING, RUNNING]):
+    if transition(session, task.id, CANCELLING, only_from=[LOADING, RUNNING]) or task.status == CANCELLING:
         owner = session.execute(select(Task.worker_id).where(Task.id == task.id)).scalar()
         if owner is None:  # handed on, nobody runs it now: the cancellation completes at once
             return False, hand_on(session, task.id, error={})[1]
-        return True, {}
+        if lease_seconds is None:
+            return True, {}
+        _, publish = hand_on(session, task.id, error={}, owner_expired_after=lease_seconds)
+        return not publish, publish
     return False, {}
 
 
 def abort_direct(session: Session, response_id: str) -> bool:
     """The client of a direct response went away."""
     return respond(session, response_id, R.CANCELLED, only_from=[R.QUEUED, R.IN_PROGRESS])
+
+
+def watched_direct(session: Session, response_id: str) -> None:
+    """The api still waits for this queued direct response (it re-sent its message): see
+    ``fail_abandoned_direct``."""
+    session.execute(update(Response).where(Response.id == response_id, Response.status == R.QUEUED)
+                    .values(updated_at=db_now()))
+
+
+def fail_abandoned_direct(session: Session, older_than: float) -> list[str]:
+    """Queued direct responses no api has watched for ``older_than`` seconds (by the database's clock):
+    the api that accepted one died, and its message was lost, so no one else would ever end it."""
+    return list(session.execute(update(Response).where(
+        Response.status == R.QUEUED, Response.updated_at < db_now() - older_than).values(
+        status=R.FAILED, updated_at=db_now(), error=restarted_error(
+            "The api that accepted this response stopped before a worker took it; send the request again"))
+        .returning(Response.id)).scalars())
 
 
 def fail_unclaimed_direct(session: Session, response_id: str, error: dict) -> bool:

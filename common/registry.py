@@ -204,6 +204,14 @@ def _hub_snapshot(spec: ModelSpec, source: Source, *, local_only: bool, patterns
 class Registry:
     def __init__(self, models: list[ModelSpec]):
         self.models = {m.id: m for m in models}
+        queues: dict[str, str] = {}
+        for m in models:
+            # Queue names keep [A-Za-z0-9_.-] only: a:b, a/b and a_b would share one queue (and one
+            # model's workers run the other's work). Names stay as deployed; ids that collide are refused.
+            if (other := queues.setdefault(m.queue, m.id)) != m.id:
+                raise ConfigError(f"models {other!r} and {m.id!r} would share the queue {m.queue}; "
+                                  "rename one (ids differing only in characters other than letters, digits, "
+                                  "'_', '.' and '-' collide)")
 
     @classmethod
     def load(cls, path: Path) -> "Registry":

@@ -105,11 +105,11 @@ def transition(session: Session, task_id: str, target: str, *, only_from=None, w
     return _won(session, _move(Task, task_id, target, TRANSITIONS, only_from, where, values))
 
 
-def transition_returning(session: Session, task_id: str, target: str, *, only_from=None, **values):
+def transition_returning(session: Session, task_id: str, target: str, *, only_from=None, where=(), **values):
     """``transition`` that returns the updated task (None if this call did not win), in one round trip."""
     from common.tables import Task
 
-    return _row(session, Task, _move(Task, task_id, target, TRANSITIONS, only_from, (), values))
+    return _row(session, Task, _move(Task, task_id, target, TRANSITIONS, only_from, where, values))
 
 
 def respond(session: Session, response_id: str, target: str, *, only_from=None, where=(), **values) -> bool:
@@ -119,9 +119,9 @@ def respond(session: Session, response_id: str, target: str, *, only_from=None, 
     return _won(session, _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, where, values))
 
 
-def respond_returning(session: Session, response_id: str, target: str, *, only_from=None, **values):
+def respond_returning(session: Session, response_id: str, target: str, *, only_from=None, where=(), **values):
     """``respond`` that returns the updated row (None if this call did not win), in one round trip."""
     from common.tables import Response
 
-    return _row(session, Response, _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, (),
+    return _row(session, Response, _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, where,
                                          values))

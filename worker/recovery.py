@@ -102,6 +102,14 @@ def hand_on_orphans(ctx: WorkerContext) -> None:
     ctx.orphans = suspects
 
 
+def fail_abandoned_direct(ctx: WorkerContext) -> None:
+    """Queued direct responses whose api died (it re-sends their messages, so a lost one would be sent
+    again) get a final state: nobody else would ever give them one."""
+    s = ctx.settings
+    older_than = s.lease_seconds + 3 * s.direct_requeue_after_seconds
+    ctx.write(lambda session: (lifecycle.fail_abandoned_direct(session, older_than), {}))
+
+
 def redispatch_lost(ctx: WorkerContext, force: bool = False) -> None:
     """Tasks of this model whose broker message may be lost are sent again, each on its own clock;
     all at once when the broker restarted (``force``: it keeps nothing). The claim makes a copy harmless."""
@@ -291,6 +299,8 @@ def sweep(ctx: WorkerContext) -> None:
     if ctx.settled() and my_turn(ctx, "takeover"):
         take_over_dead(ctx)
     hand_on_orphans(ctx)  # this worker's own tasks (and cancellations nobody runs, by an index)
+    if my_turn(ctx, "abandoned-direct"):
+        fail_abandoned_direct(ctx)
     force = ctx.broker_restarted()  # each worker notices that itself: never gated
     if force or my_turn(ctx, f"dispatch:{ctx.spec.id}"):
         redispatch_lost(ctx, force)

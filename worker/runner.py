@@ -293,7 +293,7 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
 
 def _claim(session, ctx: WorkerContext, task_id: str, points: dict, retried: bool = False):
     """The claim, and its attempt's first points on the timeline, in one transaction."""
-    claimed, publish = lifecycle.claim(session, task_id, ctx.worker_id, retried=retried,
+    claimed, publish = lifecycle.claim(session, task_id, ctx.worker_id, model=ctx.spec.id, retried=retried,
                                        busy=frozenset(ctx.running_ids()))
     if claimed is not None:
         points["claimed_at"] = time.time()
@@ -329,7 +329,7 @@ def run_direct(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | Non
 
 
 def _run_direct(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | None) -> None:
-    claimed = ctx.write(lambda s: lifecycle.claim_direct(s, response_id, ctx.worker_id))
+    claimed = ctx.write(lambda s: lifecycle.claim_direct(s, response_id, ctx.worker_id, ctx.spec.id))
     if claimed is None:
         return
     attempt, response = claimed

@@ -133,6 +133,8 @@ class DirectWatch:
             return lifecycle.fail_unclaimed_direct(session, row.id, error)
         if now - self.sent >= settings.direct_requeue_after_seconds:
             self.sent = now
+            lifecycle.watched_direct(session, row.id)  # committed by the caller below
+            session.commit()
             interactive_wire.send(self.svc.celery, self.spec.interactive_queue, row.id)
         return False
 
@@ -194,7 +196,7 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
         task = get_task(session, principal, task_id)
         if task.status in (SUCCEEDED, FAILED):
             raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
-        notify, publish = lifecycle.cancel(session, task)
+        notify, publish = lifecycle.cancel(session, task, svc.settings.lease_seconds)
         session.commit()
         svc.publisher.publish_many(publish)
         if notify:
