@@ -123,7 +123,8 @@ def test_a_direct_response_the_database_lost_ends(tmp_path):
 
 def test_a_sync_answer_of_503_carries_retry_after_also_when_replayed(tmp_path):
     """9.3: model_unavailable is a 503 with Retry-After, also when it is the problem a generation
-    ended with (no worker took the request) and when an Idempotency-Key replays that outcome."""
+    ended with (no worker took the request) and when the request is retried with its Idempotency-Key
+    (which does not keep that transient outcome: the retry is answered afresh, issue 21 defect 8)."""
     import time as clock
 
     from common.tables import Worker
@@ -141,7 +142,7 @@ def test_a_sync_answer_of_503_carries_retry_after_also_when_replayed(tmp_path):
     assert int(first.headers["Retry-After"]) >= 1
     again = caller.post("/lmsp/v1/responses", request_body(), headers=key)
     problem(again, 503, "model_unavailable")
-    assert again.get_data() == first.get_data() and int(again.headers["Retry-After"]) >= 1
+    assert int(again.headers["Retry-After"]) >= 1
 
 
 def test_a_tasks_response_is_retrievable_only_when_stored(alice):
