@@ -1,13 +1,16 @@
 """A worker without an engine, for the unit layer: it claims the direct responses of one model and
-answers each with a fixed text through the real output builder, logged as worker/runner.py logs them."""
+answers each with a fixed text through the real output builder, writing every status and event through
+the real lifecycle core (common/lifecycle.py) as worker/runner.py does, so the fast tests run the code
+they protect."""
 
 import threading
 import time
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
-from common import eventlog, events
-from common.tables import Response, Worker
+from common import events, lifecycle
+from common.states import R
+from common.tables import Response
 from worker.output import OutputBuilder
 
 
@@ -19,29 +22,28 @@ class FakeWorker:
         self.gate = gate                  # when given, each answer waits for it after claiming the response
         self.claimed = threading.Event()  # set when a response has been claimed
         self.id = f"fake-{model}-{time.monotonic_ns()}"
+        self.started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=self.id, daemon=True)
 
     def __enter__(self):
-        self._beat(stopped=None)
+        self._beat(boot=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(10)
-        self._beat(stopped=time.time())
+        self._beat(stopped=True)
 
-    def _beat(self, stopped) -> None:
+    def _beat(self, **kw) -> None:
         with self.sessions() as session:
-            now = time.time()
-            session.merge(Worker(id=self.id, model=self.model, heartbeat_at=now, started_at=now, stopped_at=stopped,
-                                 running=0))
+            lifecycle.heartbeat(session, self.id, self.model, self.started, running=0, ready=True, **kw)
             session.commit()
 
     def _loop(self) -> None:
         while not self._stop.wait(0.01):
-            with self.sessions() as session:
+            with self.sessions() as session:  # what the broker would deliver
                 waiting = session.execute(select(Response.id).where(
                     Response.model == self.model, Response.status == "queued")).scalars().all()
             for response_id in waiting:
@@ -49,21 +51,24 @@ class FakeWorker:
 
     def _answer(self, response_id: str) -> None:
         with self.sessions() as session:
-            won = session.execute(update(Response).where(Response.id == response_id, Response.status == "queued")
-                                  .values(status="in_progress", worker_id=self.id)).rowcount
+            claimed = lifecycle.claim_direct(session, response_id, self.id, self.model)
             session.commit()
-        if not won:
+        if claimed is None:
             return
+        attempt = claimed[0]
         self.claimed.set()
         if self.gate is not None:
             self.gate.wait(30)
         builder = OutputBuilder(response_id, "text")
         emitted = [(events.CREATED, events.created(response_id)), *builder.feed(self.text), *builder.finish()]
+        batch = [(seq, name, events.dumps(data)) for seq, (name, data) in enumerate(emitted, 1)]
         usage = {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
-        emitted.append(events.final(response_id, "completed", usage=usage))
         with self.sessions() as session:
-            eventlog.append(session, response_id,
-                            [(seq, name, events.dumps(data)) for seq, (name, data) in enumerate(emitted, 1)])
-            session.execute(update(Response).where(Response.id == response_id).values(
-                status="completed", output=builder.items, usage=usage, updated_at=time.time()))
+            if lifecycle.append(session, {attempt: batch}):
+                return  # no longer ours (the api aborted it): as the runner, write nothing more
+            try:
+                lifecycle.finish(session, attempt, R.COMPLETED, first_seq=len(batch) + 1, emitted=[],
+                                 output=builder.items, usage=usage)
+            except lifecycle.Fenced:
+                return
             session.commit()
