@@ -15,10 +15,9 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("tasks") as batch:
-        batch.add_column(sa.Column("crashes", sa.Integer, nullable=False, server_default="0"))
+    op.add_column("tasks", sa.Column("crashes", sa.Integer, nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("tasks") as batch:
-        batch.drop_column("crashes")
+    # Not a batch copy of the table on SQLite: that would drop 0003's triggers on tasks.
+    op.execute("ALTER TABLE tasks DROP COLUMN crashes")
