@@ -305,7 +305,7 @@ WITH fence AS (
         WITH ORDINALITY AS f(task_id, number, response_id, worker_id, key)),
 held AS (
     UPDATE tasks t SET attempt = t.attempt FROM fence f
-    WHERE f.task_id IS NOT NULL AND t.id = f.task_id AND t.attempt = f.number
+    WHERE f.task_id IS NOT NULL AND t.id = f.task_id AND t.attempt = f.number AND t.worker_id = f.worker_id
         AND t.status IN ({", ".join(f"'{s}'" for s in sorted(LIVE))})
     RETURNING f.key),
 held_direct AS (

@@ -258,3 +258,26 @@ def test_the_engine_watch_reloads_after_a_pass_that_failed_half_way(sessions, pg
     finally:
         ctx.stopping.set()
         ctx.writer.stop()
+
+
+def test_attempt_n_held_by_two_workers_logs_only_the_current_ones_events(sessions):
+    """Defect 9 on Postgres' group commit: a claim lost by a database crash let another worker claim the
+    same attempt number; only the worker that holds the task now may log."""
+    from sqlalchemy import update
+
+    from common.tables import Task
+
+    task_id = new_task(sessions)
+    with sessions() as session:
+        first = lifecycle.claim(session, task_id, "w-lost")[0].attempt
+        session.commit()
+        session.execute(update(Task).where(Task.id == task_id).values(status="queued", worker_id=None,
+                                                                       attempt=Task.attempt - 1))
+        session.commit()
+        second = lifecycle.claim(session, task_id, "w-now")[0].attempt
+        session.commit()
+        assert first.number == second.number
+        refused = lifecycle.append(session, {first: [(2, events.TEXT_DELTA, "{}")],
+                                             second: [(3, events.TEXT_DELTA, "{}")]})
+        session.commit()
+    assert refused == {first}
