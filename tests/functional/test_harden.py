@@ -1,6 +1,6 @@
 """Issue 21's worker-side defects on real Postgres, driving the real runner and lifecycle with a scripted
 engine (the defects live in the worker's logic and the database, not in vLLM's numbers): no engine
-load, one import of vLLM's modules for the whole file."""
+load, no vLLM import."""
 
 import time
 
@@ -14,11 +14,10 @@ from common.states import R
 from common.tables import Response
 from tests import factories
 from tests.harness import model_entry
-
-runner = pytest.importorskip("worker.runner")  # vLLM's modules: the worker's own imports
-from worker.context import WorkerContext  # noqa: E402
-from worker.engine import Delta  # noqa: E402
-from worker.writer import EventWriter  # noqa: E402
+from worker import runner
+from worker.context import WorkerContext
+from worker.gate import Delta
+from worker.writer import EventWriter
 
 MODEL = "smollm2:harden"
 
@@ -27,6 +26,7 @@ class ScriptedEngine:
     """Answers every request with ``text`` in one delta, as the engine's consumer sees it."""
 
     dead = False
+    dead_errors: tuple = ()
 
     def __init__(self, text: str):
         self.text = text
@@ -147,16 +147,21 @@ def test_the_interactive_lane_claims_nothing_while_the_worker_is_not_ready(sessi
         ctx.writer.stop()
 
 
+class EngineDied(Exception):
+    """What vLLM's EngineDeadError is to its host."""
+
+
 class CrashingEngine(ScriptedEngine):
     """Dies under every request, during its prefill (``prefilling``) or while it waited for a slot."""
+
+    dead_errors = (EngineDied,)
 
     def __init__(self, prefilling: bool):
         super().__init__("")
         self.prefilling = prefilling
 
     def generate(self, request_id, prompt, params):
-        from vllm.v1.engine.exceptions import EngineDeadError
-        raise EngineDeadError()
+        raise EngineDied()
         yield  # a generator, as the engine's
 
     def failed_prefilling(self, request_id):
