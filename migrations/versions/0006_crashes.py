@@ -1,15 +1,15 @@
 """engine crashes per task: a request that kills the engine while it is prefilled is run again only
 up to LMSP_MAX_ATTEMPTS times
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-12-02
 """
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
