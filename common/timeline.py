@@ -66,6 +66,7 @@ def attempts_of(session: Session, task_ids: list[str]) -> dict[str, list[TaskAtt
 def durations(created_at: float, ended_at: float, attempts: list) -> dict[str, float]:
     """The phases of the module's docstring (seconds), and ``framework_overhead``. ``attempts``: rows
     (or anything with their attributes) in attempt order."""
+    ended_at = max(ended_at, created_at)  # two clocks: never a negative phase
     final = attempts[-1] if attempts and attempts[-1].finished_at is not None else None
     marks = [created_at, attempts[0].delivered_at if attempts else None]
     if final is not None:
@@ -94,7 +95,8 @@ def extension(created_at: float, ended_at: float | None, attempts: list[TaskAtte
         return None
     doc: dict = {"queued_at": created_at, "ended_at": ended_at}
     if ended_at is not None:
-        doc["wall"] = ended_at - created_at
+        # created_at is the accepting api's clock, ended_at the database's: skewed, it may come first.
+        doc["wall"] = max(ended_at - created_at, 0.0)
         doc["durations"] = durations(created_at, ended_at, attempts)
     doc["attempts"] = [_attempt(a) for a in attempts]
     return {KEY: doc}

@@ -35,3 +35,13 @@ def test_a_skewed_replica_does_not_expire_fresh_events(unit, alice, skewed):
     task = alice.task("succeeded", ended_at=time.time())
     skewed()
     assert alice.get(f"/lmsp/v1/tasks/{task.id}/events").status_code == 200
+
+
+def test_a_task_that_ends_before_it_was_created_by_another_clock_has_no_negative_time(alice):
+    """created_at is the accepting api's clock, ended_at the database's: GET /tasks/{id} must not fail
+    (a 500: the timeline's wall time below 0) when they disagree."""
+    task = alice.task("succeeded", ended_at=time.time() - 3 * 86400)
+    resp = alice.get(f"/lmsp/v1/tasks/{task.id}")
+    assert resp.status_code == 200, resp.get_data(as_text=True)[:300]
+    timeline = resp.get_json()["extensions"]["x-lmsp-timeline"]
+    assert timeline["wall"] == 0 and all(v >= 0 for v in timeline["durations"].values())
