@@ -39,7 +39,9 @@ class Handover(Response):
         headers = self.get_wsgi_headers(environ)
         headers.remove("Content-Length")
         if self.status_code != 101:
-            headers["Connection"] = "close"  # the body ends when the stream does: no chunked framing
+            # One stream a connection; chunked, so a client reading by size gets each frame at once.
+            headers["Connection"] = "close"
+            headers["Transfer-Encoding"] = "chunked"
         head = f"HTTP/1.1 {self.status}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.to_wsgi_list())
         try:
             sock.sendall((head + "\r\n").encode("latin-1"))

@@ -39,7 +39,7 @@ import redis
 from common import eventlog
 from common.bus import HUB, channel, decode, response_of
 from common.errors import LMSPError, problem
-from common.events import ERROR, FINAL, dumps, sse, sse_many, ws_frame
+from common.events import ERROR, FINAL, HEARTBEAT, dumps, sse, sse_many, ws_frame
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.live")
@@ -62,7 +62,14 @@ REPLAY, LIVE, GAP, ENDED = "replay", "live", "gap", "ended"
 # How a follower ended: its final event, SIGTERM, a failure (an error event), too far behind, client gone.
 FINISHED, SHUTDOWN, FAILED, CUT, GONE = "finished", "shutdown", "failed", "cut", "gone"
 SHUTDOWN_NOTE = ": this server is shutting down; reconnect with Last-Event-ID to continue\n\n"
-KEEP_ALIVE = b": keep-alive\n\n"
+KEEP_ALIVE = HEARTBEAT.encode()
+# A handed-over SSE body is chunked (HTTP/1.1): clients that read a body by size (urllib3, so requests'
+# iter_lines) get each frame as it is written, not once 512 bytes have piled up; this ends the body.
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 _hubs: "weakref.WeakSet[Hub]" = weakref.WeakSet()
 
@@ -90,7 +97,7 @@ class Batch:
                 self._ws = b"".join([ws_message(ws_frame(*e).encode()) for e in self.events])
             return self._ws
         if self._sse is None:
-            self._sse = sse_many(self.events).encode()
+            self._sse = chunk(sse_many(self.events).encode())
         return self._sse
 
 
@@ -153,12 +160,15 @@ class SocketSink:
         self.writing = False
 
     def events(self, batch: Batch) -> None:
-        self.send(batch.encoded(self.ws), live=True)
+        self.send(batch.encoded(self.ws), live=True, framed=True)
 
-    def send(self, data: bytes, live: bool = False) -> None:
-        """Queue ``data``; a live frame past the buffer bound cuts the follower instead."""
+    def send(self, data: bytes, live: bool = False, framed: bool = False) -> None:
+        """Queue ``data`` (an SSE body's chunk framing added unless ``framed``); a live frame past the
+        buffer bound cuts the follower instead."""
         if self.sock is None:
             return
+        if not (self.ws or framed):
+            data = chunk(data)
         if self.out:
             if live and self.queued + len(data) > self.hub.settings.follower_buffer_bytes:
                 log.info("follower of %s cut: %d bytes unsent", self.follower.response_id, self.queued)
@@ -232,6 +242,8 @@ class SocketSink:
             self.send(SHUTDOWN_NOTE.encode())
         elif how == FAILED:
             self.send(stream_error(last, error_doc(exc, self.path)).encode())
+        if not self.ws:
+            self.send(LAST_CHUNK, framed=True)
         self.closing = time.monotonic()
         self.hub._closing.add(self)
         if not self.out:

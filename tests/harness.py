@@ -83,6 +83,8 @@ class Stack:
             "LMSP_REQUEUE_AFTER_SECONDS": "3",
             # Tests count a task's deltas as it runs (the fault tests stop it after a few): one a token.
             "LMSP_TASK_DELTA_WINDOW_MS": "20",
+            # An idle follower's keep-alive comes every 15 s in production; tests that wait for one need not.
+            "LMSP_FOLLOWER_HEARTBEAT_SECONDS": "1",
             "PYTHONUNBUFFERED": "1",
         }
         if redis:
