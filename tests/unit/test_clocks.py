@@ -12,26 +12,34 @@ AHEAD = 25 * 3600  # a replica whose clock runs a day ahead
 
 
 @pytest.fixture
+def own(tmp_path):
+    """An app of its own: the skew must not reach the caches of the session's shared one."""
+    from tests.unit.conftest import make_unit
+    return make_unit(tmp_path)
+
+
+@pytest.fixture
 def skewed(monkeypatch):
     """From here on this process is the skewed replica."""
     real = time.time
     return lambda: monkeypatch.setattr(time, "time", lambda: real() + AHEAD)
 
 
-def test_a_skewed_replica_does_not_take_a_live_idempotency_key_over(unit, skewed):
+def test_a_skewed_replica_does_not_take_a_live_idempotency_key_over(own, skewed):
     key = idempotency.key_from("live-key", "skew", "POST", "/lmsp/v1/responses", {"a": 1})
     from tests import factories
-    with unit.sessions() as session:
+    with own.sessions() as session:
         factories.principal(session, "skew")
         session.commit()
-    assert idempotency.Claims(unit.sessions, beat=10).begin(key) is None  # in flight on one replica
+    assert idempotency.Claims(own.sessions, beat=10).begin(key) is None  # in flight on one replica
     skewed()
     with pytest.raises(LMSPError) as err:
-        idempotency.Claims(unit.sessions, beat=10).begin(key)  # a retry reaches another replica
+        idempotency.Claims(own.sessions, beat=10).begin(key)  # a retry reaches another replica
     assert err.value.code == "idempotency_key_in_use"
 
 
-def test_a_skewed_replica_does_not_expire_fresh_events(unit, alice, skewed):
+def test_a_skewed_replica_does_not_expire_fresh_events(own, skewed):
+    alice = own.as_("alice")
     task = alice.task("succeeded", ended_at=time.time())
     skewed()
     assert alice.get(f"/lmsp/v1/tasks/{task.id}/events").status_code == 200

@@ -19,7 +19,8 @@ from tests.unit.conftest import MODEL
 def test_cancelling_a_task_whose_worker_is_gone_finishes_at_once(unit, alice):
     """With no worker alive at all, no sweeper would ever finish the cancellation."""
     with unit.sessions() as session:
-        session.merge(Worker(id="gone", model=MODEL, heartbeat_at=time.time() - 3600, started_at=0, running=1))
+        # Of another model: a live worker of the shared app's model would make others' requests wait for it.
+        session.merge(Worker(id="gone", model="elsewhere", heartbeat_at=time.time() - 3600, started_at=0, running=1))
         session.commit()
     running = alice.task("running", worker_id="gone")
     resp = alice.post(f"/lmsp/v1/tasks/{running.id}/cancel")
@@ -29,7 +30,7 @@ def test_cancelling_a_task_whose_worker_is_gone_finishes_at_once(unit, alice):
     resp = alice.post(f"/lmsp/v1/tasks/{stuck.id}/cancel")
     assert resp.status_code == 200 and resp.get_json()["status"] == "cancelled", resp.get_json()
     with unit.sessions() as session:
-        session.merge(Worker(id="alive", model=MODEL, heartbeat_at=time.time(), started_at=0, running=1))
+        session.merge(Worker(id="alive", model="elsewhere", heartbeat_at=time.time(), started_at=0, running=1))
         session.commit()
     owned = alice.task("running", worker_id="alive")
     assert alice.post(f"/lmsp/v1/tasks/{owned.id}/cancel").get_json()["status"] == "cancelling"
