@@ -38,7 +38,7 @@ def sessions(pg_url):
 # a SIGKILL, Redis restarted empty, pauses, a dead engine, Redis restarts, a rolling restart, a dead peer.
 @pytest.fixture(scope="module")
 def pair(stack):
-    env = {"LMSP_DRAIN_SECONDS": "3"}
+    env = {"LMSP_DRAIN_SECONDS": "60"}  # a Kubernetes-like grace: a SIGTERMed worker's fail tasks finish in it
     workers = {name: stack.start_worker(stack.pair_model, name, **env) for name in ("pair-a", "pair-b")}
     workers["env"] = env
     yield workers
@@ -455,16 +455,33 @@ def test_redis_restarts_do_not_stop_workers(stack, alice, pair):
 
 
 def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pair, sessions):
-    model = stack.pair_model
+    """SIGTERM to one worker under load (a rolling update, a scale-down): its retry/resume tasks move at
+    once, its `fail` tasks shorter than the grace finish where they run; none fails, nobody waits for a
+    lease, and its engine is gone before it exits."""
+    model, grace = stack.pair_model, float(pair["env"]["LMSP_DRAIN_SECONDS"])
     tasks = [submit(alice, model, ESSAY.format(f"city number {i}"), ("resume", "retry")[i % 2], max_tokens=200)
              for i in range(20)]
+    short = [submit(alice, model, f"Write three sentences about the river number {i}.", "fail", max_tokens=48)
+             for i in range(8)]
     followers = [Follower(alice, t) for t in tasks]
     for f in followers:
         f.start()
-    wait_for(lambda: sum(f.deltas() >= 3 for f in followers) >= 10, 300, "generation did not start")
+
+    def owned_by_a(policies):
+        with sessions() as session:
+            return set(session.execute(select(Task.id).where(
+                Task.id.in_([t["id"] for t in tasks + short]), Task.worker_id == "pair-a",
+                Task.on_restart.in_(policies), Task.status.in_(("loading", "running")))).scalars())
+
+    wait_for(lambda: sum(f.deltas() >= 3 for f in followers) >= 10 and owned_by_a(["fail"])
+             and owned_by_a(["resume", "retry"]), 300, "pair-a is not generating both kinds of task")
+    fail_on_a = owned_by_a(["fail"])
     before = worker_log(stack, "pair-b").count("took over")
-    pair["pair-a"].send_signal(signal.SIGTERM)  # to the worker alone, as Kubernetes does: drain 3 s, hand over
-    pair["pair-a"].wait(120)
+    pair["pair-a"].send_signal(signal.SIGTERM)  # to the worker alone, as Kubernetes does
+    signalled = time.monotonic()
+    wait_for(lambda: not owned_by_a(["resume", "retry"]), 15, "pair-a kept its retry/resume tasks")
+    pair["pair-a"].wait(grace + 30)
+    assert time.monotonic() - signalled < grace, "pair-a drained until its grace ran out"
     assert engine_pids("pair-a") == []  # its engine is gone before it exits
     pair["pair-a"] = stack.start_worker(model, "pair-a", **pair["env"])  # rolling: it comes back
     for task, f in zip(tasks, followers, strict=True):
@@ -472,48 +489,14 @@ def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pai
         done = final_task(alice, task["id"])
         assert done["status"] == "succeeded", done
         check_outcome(done, f)
-    assert "handed on" in worker_log(stack, "pair-a")
-    assert worker_log(stack, "pair-b").count("took over") == before  # nobody waited for a lease
-    assert engine_pids("pair-a") != [] and pair["pair-a"].poll() is None
-
-
-def test_rolling_restart_under_load_fails_no_fail_task_within_the_grace(stack, alice, pair, sessions):
-    """A scale-down or rolling update (SIGTERM to one worker) hands its retry/resume tasks on at once and
-    lets its `fail` tasks, shorter than the grace, finish there: none of them fails."""
-    model, grace = stack.pair_model, "120"
-    pair["pair-a"].send_signal(signal.SIGTERM)  # idle: quick; it comes back with a Kubernetes-like grace
-    pair["pair-a"].wait(120)
-    pair["pair-a"] = stack.start_worker(model, "pair-a", LMSP_DRAIN_SECONDS=grace)
-    short = [submit(alice, model, f"Write three sentences about the river number {i}.", "fail", max_tokens=96)
-             for i in range(8)]
-    movable = [submit(alice, model, ESSAY.format(f"harbour number {i}"), ("resume", "retry")[i % 2],
-                      max_tokens=300) for i in range(8)]
-
-    def owned_by_a(policies):
-        with sessions() as session:
-            return set(session.execute(select(Task.id).where(
-                Task.id.in_([t["id"] for t in short + movable]), Task.worker_id == "pair-a",
-                Task.on_restart.in_(policies), Task.status.in_(("loading", "running")))).scalars())
-
-    wait_for(lambda: owned_by_a(["fail"]) and owned_by_a(["resume", "retry"]), 300,
-             "pair-a is not running both kinds of task")
-    fail_on_a = owned_by_a(["fail"])
-    pair["pair-a"].send_signal(signal.SIGTERM)  # as the kubelet does, to the worker alone
-    signalled = time.monotonic()
-    # retry/resume tasks move at once, while pair-a still finishes its fail tasks
-    wait_for(lambda: not owned_by_a(["resume", "retry"]), 15, "pair-a kept its retry/resume tasks")
-    assert time.monotonic() - signalled < 15
-    pair["pair-a"].wait(float(grace) + 30)
-    assert time.monotonic() - signalled < float(grace), "pair-a drained until its grace ran out"
-    assert engine_pids("pair-a") == []
-    pair["pair-a"] = stack.start_worker(model, "pair-a", **pair["env"])  # as before for the tests after
-    for task in short + movable:
-        done = final_task(alice, task["id"])
-        assert done["status"] == "succeeded", (task["id"] in fail_on_a, done)
+    for task in short:
+        assert final_task(alice, task["id"])["status"] == "succeeded", task["id"] in fail_on_a
     with sessions() as session:
         attempts = dict(session.execute(select(Task.id, Task.attempt).where(Task.id.in_(fail_on_a))).all())
     assert set(attempts.values()) == {1}  # finished where they ran, never moved
     assert "handed on at once" in worker_log(stack, "pair-a")
+    assert worker_log(stack, "pair-b").count("took over") == before  # nobody waited for a lease
+    assert engine_pids("pair-a") != [] and pair["pair-a"].poll() is None
 
 
 def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, pair, sessions):
