@@ -28,7 +28,10 @@ from tests.harness import create_database, drop_database
 # and add its hash here once it has landed on main.
 LANDED = {"0001": "b71065550b8a5086bf38abd627c8fd6ccfb01e922fefa2366d2cc2035b420fbf",
           "0002": "8895ddb517a59ffe9122125453c3e839492fa468360ec90a0eeeb6da6f5f48a3",
-          "0003": "84530b2d36bed01d5d44baafbde0ff75b50149cfde3c83e7326cf1520c1b6481"}
+          "0003": "84530b2d36bed01d5d44baafbde0ff75b50149cfde3c83e7326cf1520c1b6481",
+          "0004": "66aa8d8e8c96304eda0df545f2b6847470d8810ae4953ea265e3ed5402a9bc24",
+          "0005": "38d795c9a35485397501e1d36170dd05e714d6d784290fbfdf8c2c95c2bf6d53",
+          "0006": "ab70c6019e2e774855a8752ea16c9d5b8ca5e28eea4764a4e18e75e2b73013d1"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
