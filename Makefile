@@ -45,15 +45,17 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/lmsp dev
 
-# The layers (tests/*/): the api without servers runs beside the real stack (it needs no server and
-# fills the stack's waits for engines and leases); then the faults, which restart Postgres and Redis.
-# The unit layer's report is printed once the stack's is done; either failing fails the target.
-UNIT_LOG := $(VENV)/unit-tests.log
+# The layers (tests/*/): what needs no server (the api without servers, and `lmsp dev` on SQLite) runs
+# beside the real stack, filling its waits for engines and leases; then the faults, which restart
+# Postgres and Redis. The server-free lane's report is printed once the stack's is done; either failing
+# fails the target.
+FREE_LOG := $(VENV)/server-free-tests.log
+SERVER_FREE := tests/unit tests/functional/test_embedded.py
 test: model browser
-	@$(BIN)/pytest -q -p no:cacheprovider --basetemp=$(VENV)/unit-tmp tests/unit > $(UNIT_LOG) 2>&1 & unit=$$!; \
-	$(BIN)/pytest --durations=15 tests/functional tests/faults; stack=$$?; \
-	wait $$unit; units=$$?; echo "== tests/unit (ran beside the stack)"; cat $(UNIT_LOG); \
-	test $$stack -eq 0 && test $$units -eq 0
+	@$(BIN)/pytest -q -p no:cacheprovider --durations=5 --basetemp=$(VENV)/server-free-tmp $(SERVER_FREE) > $(FREE_LOG) 2>&1 & free=$$!; \
+	$(BIN)/pytest --durations=15 --ignore=tests/functional/test_embedded.py tests/functional tests/faults; stack=$$?; \
+	wait $$free; frees=$$?; echo "== $(SERVER_FREE) (ran beside the stack)"; cat $(FREE_LOG); \
+	test $$stack -eq 0 && test $$frees -eq 0
 
 # Several hosts without Kubernetes, rehearsed with network namespaces (root; minutes: two engines load).
 .PHONY: test-hosts
