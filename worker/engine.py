@@ -181,9 +181,7 @@ class EngineHost(GatedHost):
         return load_tokenizer(self._checkpoint)
 
     def shutdown(self) -> None:
-        if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result()
-        self._stop_loop()
+        super().shutdown()
         if self._pinned:  # the engine is gone: its CPUs are this process's again
             _pin_process(set(self._settings.cpus))
             self._pinned = False

@@ -108,6 +108,10 @@ class GatedHost:
     async def _engine_abort(self, engine_id: str) -> None:
         raise NotImplementedError
 
+    async def _close(self) -> None:
+        """On the loop: end every request, then the engine."""
+        raise NotImplementedError
+
     # -- the interface the worker uses -----------------------------------------------------------
     def generate(self, request_id: str, prompt: str | list[int], params: GenParams) -> Iterator[Delta]:
         """Stream one request's output; it is submitted on the first next()."""
@@ -150,6 +154,11 @@ class GatedHost:
 
     def running(self) -> int:
         return len(self._pumps)
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result()
+        self._stop_loop()
 
     def failed_prefilling(self, request_id: str) -> bool:
         """Whether ``request_id`` ended in an error while its prompt was being prefilled (admitted, no

@@ -209,11 +209,6 @@ class SimEngine(GatedHost):
     def tokenizer(self):
         return load_tokenizer(self._checkpoint)
 
-    def shutdown(self) -> None:
-        if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result()
-        self._stop_loop()
-
     async def _close(self) -> None:
         self._closed = True
         await self._cancel_pumps()
