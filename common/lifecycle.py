@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import JSON, bindparam, case, exists, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from common import eventlog, events
+from common import eventlog, events, liveness
 from common.db import Compiled, commit_lazily, db_now, run_batch
 from common.errors import LMSPError, problem
 from common.events import dumps
@@ -507,18 +507,12 @@ def fail_unclaimed_direct(session: Session, response_id: str, error: dict) -> bo
 DIRECT_WORKER_STOPPED = "The worker generating this response stopped; send the request again"
 
 
-def worker_expired(session: Session, worker_id: str, lease_seconds: float) -> bool:
-    """Whether the worker's lease expired by the database's clock."""
-    return bool(session.execute(select(Worker.id).where(
-        Worker.id == worker_id, Worker.heartbeat_at < db_now() - lease_seconds)).first())
-
-
 def fail_orphaned_direct(session: Session, response_id: str, lease_seconds: float) -> bool:
     """A direct response whose worker's lease expired (by the database's clock): with no other worker
     left to sweep, its waiting client's stream ends here."""
-    expired = select(Worker.id).where(Worker.heartbeat_at < db_now() - lease_seconds)
     return respond(session, response_id, R.FAILED, only_from=[R.IN_PROGRESS],
-                   where=[Response.worker_id.in_(expired)], error=restarted_error(DIRECT_WORKER_STOPPED))
+                   where=[Response.worker_id.in_(select(Worker.id).where(liveness.expired(lease_seconds)))],
+                   error=restarted_error(DIRECT_WORKER_STOPPED))
 
 
 def fail_direct(session: Session, worker_ids: list[str], error: dict) -> list[str]:
@@ -546,48 +540,6 @@ def due_dispatches(session: Session, model: str, requeue_after: float, *, force:
         Task.dispatched_at < now - (1 if force else requeue_after),
         *(() if force else (Task.dispatched_at < now - backoff,))).values(
         dispatched_at=now, dispatches=Task.dispatches + 1).returning(Task.id)).scalars())
-
-
-class Replaced(Exception):
-    """Another process booted with this worker id after this one: this one must stop."""
-
-
-def heartbeat(session: Session, worker_id: str, model: str, started_at: float, *, running: int, ready: bool,
-              stopped: bool = False, boot: bool = False) -> None:
-    """``boot``: this process (``started_at``) takes the id; every later heartbeat is conditional on
-    it still holding it, and raises Replaced once another process took the id over."""
-    values = {"heartbeat_at": db_now(), "model": model, "running": running, "ready": ready and not stopped,
-              "stopped_at": db_now() if stopped else None}
-    mine = () if boot else (Worker.started_at == started_at,)
-    if session.execute(update(Worker).where(Worker.id == worker_id, *mine).values(
-            **values, started_at=started_at)).rowcount:
-        return
-    if not boot and session.get(Worker, worker_id) is not None:
-        raise Replaced(worker_id)
-    session.add(Worker(id=worker_id, started_at=started_at, **values))
-    session.flush()
-
-
-def heartbeat_of(session: Session, worker_id: str) -> tuple[float, float] | None:
-    """(the last heartbeat, its age by the database's clock) of a worker id that did not stop."""
-    row = session.execute(select(Worker.heartbeat_at, db_now() - Worker.heartbeat_at).where(
-        Worker.id == worker_id, Worker.stopped_at.is_(None))).one_or_none()
-    return None if row is None else (row[0], row[1])
-
-
-def live_workers(session: Session, lease_seconds: float, started_since: float | None = None) -> dict[str, int]:
-    """Workers per model that can take work now (fresh heartbeat by the database's clock, engine ready);
-    ``started_since``: only processes that took their id at or after this time."""
-    since = () if started_since is None else (Worker.started_at >= started_since,)
-    rows = session.execute(select(Worker.model, func.count()).where(
-        Worker.heartbeat_at > db_now() - lease_seconds, Worker.stopped_at.is_(None), Worker.ready.is_(True),
-        *since).group_by(Worker.model))
-    return dict(rows.all())
-
-
-def expired_workers(session: Session, lease_seconds: float, me: str) -> list[str]:
-    return [w for w in session.execute(select(Worker.id).where(
-        Worker.heartbeat_at < db_now() - lease_seconds)).scalars() if w != me]
 
 
 def require_task(session: Session, principal: str, task_id: str) -> Task:

@@ -106,7 +106,7 @@ def _command_name() -> str:
 def _ready(url: str, token: str, since: float) -> bool:
     """The api answers and every registered model has a live worker started by this run: right after a
     crash the killed run's workers still look live (GET /lmsp/v1/models says ready) for a lease."""
-    from common.lifecycle import live_workers
+    from common.liveness import live_workers
     try:
         with lc.Client(url, token, timeout=5, max_retries=0) as http:
             names = [m["id"] for m in http.models()]

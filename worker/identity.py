@@ -9,7 +9,7 @@ worker paused while another process took its id over exits when it wakes: ``reco
 import logging
 import time
 
-from common import lifecycle
+from common import liveness
 from common.settings import ConfigError
 
 log = logging.getLogger("lmsp.worker")
@@ -20,7 +20,7 @@ def ensure_sole(sessions, worker_id: str, lease_seconds: float, heartbeat_second
     does not tell a live worker from one killed a moment ago (then restarted with its id, as a
     supervisor does): watch it for two heartbeats."""
     with sessions() as session:
-        seen = lifecycle.heartbeat_of(session, worker_id)
+        seen = liveness.heartbeat_of(session, worker_id)
     if seen is None or seen[1] > lease_seconds:
         return  # never ran, stopped cleanly, or dead for a lease
     window = 2 * heartbeat_seconds + 1
@@ -30,7 +30,7 @@ def ensure_sole(sessions, worker_id: str, lease_seconds: float, heartbeat_second
     while time.monotonic() < deadline:
         time.sleep(min(0.5, heartbeat_seconds / 2))
         with sessions() as session:
-            now = lifecycle.heartbeat_of(session, worker_id)
+            now = liveness.heartbeat_of(session, worker_id)
         if now is not None and now[0] != seen[0]:
             raise ConfigError(f"another worker is running with id {worker_id} (it heartbeated "
                               f"{max(now[1], 0.0):.1f} s ago); give each worker its own LMSP_WORKER_ID "

@@ -16,7 +16,7 @@ import redis
 from sqlalchemy import delete, exists, select, text, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from common import eventlog, lifecycle, partitions
+from common import eventlog, lifecycle, liveness, partitions
 from common.broker import BACKGROUND, dispatch
 from common.bus import CONTROL, aborted
 from common.db import db_now, transaction
@@ -53,7 +53,7 @@ def take_over_dead(ctx: WorkerContext) -> None:
     if not ctx.settled():
         return  # back from a database outage: every heartbeat looks old until the live ones write again
     with ctx.sessions() as session:
-        dead = lifecycle.expired_workers(session, ctx.settings.lease_seconds, ctx.worker_id)
+        dead = liveness.expired_workers(session, ctx.settings.lease_seconds, ctx.worker_id)
     if not dead:
         return
     fail_direct(ctx, dead)
@@ -163,12 +163,12 @@ def heartbeat(ctx: WorkerContext, stopped: bool = False, boot: bool = False) -> 
         return  # a worker that cannot log events must look dead, so its tasks are taken over
     try:
         with transaction(ctx.sessions) as session:
-            lifecycle.heartbeat(session, ctx.worker_id, ctx.spec.id, ctx.started_at, running=ctx.engine.running(),
+            liveness.heartbeat(session, ctx.worker_id, ctx.spec.id, ctx.started_at, running=ctx.engine.running(),
                                 ready=ctx.ready(), stopped=stopped, boot=boot)
     except SQLAlchemyError:
         ctx.db_ok_since = None
         raise
-    except lifecycle.Replaced:
+    except liveness.Replaced:
         if stopped:
             return  # ending anyway; the row is the other process's now
         # Paused (or cut off) past its lease while another process booted with this id: its tasks were

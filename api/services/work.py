@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from api.extensions import Services
 from api.services import idempotency
 from api.services.validation import Prepared
-from common import events, interactive_wire, lifecycle, timeline
+from common import events, interactive_wire, lifecycle, liveness, timeline
 from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError, problem
 from common.events import dumps
@@ -39,7 +39,7 @@ def ensure_available(svc: Services, session: Session, model_id: str) -> None:
     now = time.monotonic()
     if now - svc.available.get(model_id, -1e18) < svc.settings.heartbeat_seconds:
         return
-    if not lifecycle.live_workers(session, svc.settings.lease_seconds).get(model_id):
+    if not liveness.live_workers(session, svc.settings.lease_seconds).get(model_id):
         raise LMSPError("model_unavailable", f"No worker serves {model_id} right now; retry later "
                         "or submit a task, which waits in the queue", retry_after=10)
     svc.available[model_id] = now
@@ -117,7 +117,7 @@ class DirectWatch:
         if row.status == R.IN_PROGRESS:
             # Expired for a whole lease more, as this api saw it: right after a database outage every
             # heartbeat looks old until the live workers write again (the sweepers wait likewise).
-            if not lifecycle.worker_expired(session, row.worker_id, settings.lease_seconds):
+            if not liveness.worker_expired(session, row.worker_id, settings.lease_seconds):
                 self.orphaned = None
                 return False
             self.orphaned = self.orphaned or now
@@ -125,7 +125,7 @@ class DirectWatch:
                 lifecycle.fail_orphaned_direct(session, row.id, settings.lease_seconds)
         if row.status != R.QUEUED:
             return False
-        if lifecycle.live_workers(session, settings.lease_seconds).get(self.spec.id):
+        if liveness.live_workers(session, settings.lease_seconds).get(self.spec.id):
             self.served = now
         elif now - self.served >= settings.lease_seconds:
             error = problem("model_unavailable", f"No worker served {self.spec.id} for "

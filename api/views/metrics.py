@@ -2,7 +2,6 @@
 api replica answers the same. Every tenant's figures: it needs scope admin. Each worker serves its
 own process's figures on its metrics port (worker/metrics.py)."""
 
-import time
 
 from flask import Blueprint, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -11,15 +10,17 @@ from sqlalchemy import func, select
 
 from api.auth import require
 from api.extensions import Services, services
+from common import liveness
 from common.states import QUEUED
-from common.tables import Task, Worker
+from common.tables import Task
 
 bp = Blueprint("metrics", __name__)
 
 FAMILIES = {  # name: (help, labels)
     "lmsp_tasks": ("Tasks by model and state.", ["model", "status"]),
     "lmsp_queue_depth": ("Tasks queued for a worker, by model.", ["model"]),
-    "lmsp_worker_up": ("1 while the worker's lease is fresh.", ["worker", "model"]),
+    "lmsp_worker_up": ("1 while the worker can take work: its lease fresh by the database's clock, its engine "
+                       "ready.", ["worker", "model"]),
     "lmsp_worker_running_requests": ("Engine requests in flight at the worker's last heartbeat.",
                                      ["worker", "model"]),
 }
@@ -41,13 +42,11 @@ class ServiceFigures:
                 tasks.add_metric([model, status], count)
                 if status == QUEUED:
                     depth[model] = count
-            workers = session.execute(select(Worker.id, Worker.model, Worker.heartbeat_at, Worker.running).where(
-                Worker.stopped_at.is_(None))).all()
+            workers = liveness.worker_states(session, self.svc.settings.lease_seconds)
         for model, count in depth.items():
             queue.add_metric([model], count)
-        alive_after = time.time() - self.svc.settings.lease_seconds
-        for worker, model, heartbeat_at, in_flight in workers:
-            up.add_metric([worker, model], int(heartbeat_at > alive_after))
+        for worker, model, alive, in_flight in workers:
+            up.add_metric([worker, model], int(alive))
             running.add_metric([worker, model], in_flight)
         return [tasks, queue, up, running]
 

@@ -4,7 +4,7 @@ from api.auth import require
 from api.extensions import services
 from api.services.models import model_object
 from common import wire
-from common.lifecycle import live_workers
+from common.liveness import live_workers
 
 bp = Blueprint("models", __name__, url_prefix=wire.API)
 

@@ -22,7 +22,7 @@ import time
 import psycopg
 from sqlalchemy import text
 
-from common import events, lifecycle, partitions
+from common import events, lifecycle, liveness, partitions
 from common.db import make_engine, session_factory, transaction, upgrade
 from common.ids import id_floor
 from common.states import R
@@ -95,7 +95,7 @@ def sweep_queries(sessions, model: str, me: str) -> None:
     from common.states import CANCELLING, LIVE
     from common.tables import Response, Task
     with transaction(sessions) as session:
-        dead = lifecycle.expired_workers(session, 30, me)
+        dead = liveness.expired_workers(session, 30, me)
         lifecycle.fail_direct(session, dead + ["gone-worker"], {})
         session.execute(select(Task.id, Task.attempt).where(Task.worker_id.in_(dead + ["gone-worker"]),
                                                             Task.status.in_(LIVE))).all()
@@ -103,7 +103,7 @@ def sweep_queries(sessions, model: str, me: str) -> None:
             select(Task.id).where(Task.status == CANCELLING, Task.worker_id.is_(None)))).all()
         lifecycle.due_dispatches(session, model, 60)
         session.execute(select(Response.id).where(Response.id.in_(["resp_x"]), Response.status == "cancelled")).all()
-        lifecycle.live_workers(session, 30)
+        liveness.live_workers(session, 30)
 
 
 def measure_append(url: str, sessions) -> None:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import delete, func, select, update
 
-from common import eventlog, events, lifecycle
+from common import eventlog, events, lifecycle, liveness
 from common.db import db_now, make_engine, session_factory, transaction, upgrade
 from common.lifecycle import Fenced
 from common.states import R
@@ -103,14 +103,14 @@ def test_takeover_needs_the_lease_expired_by_the_database_clock(sessions):
     task_id, _ = new_task(sessions, "fail")
     attempt = claim(sessions, task_id, "w-live").attempt
     with transaction(sessions) as session:
-        lifecycle.heartbeat(session, "w-live", "m", 1.0, running=1, ready=True, boot=True)
+        liveness.heartbeat(session, "w-live", "m", 1.0, running=1, ready=True, boot=True)
     with transaction(sessions) as session:  # a sweeper with a stale view of the lease
         assert lifecycle.hand_on(session, task_id, error={}, attempt=attempt.number,
                                  owner_expired_after=30) == (False, {})
     assert status(sessions, task_id)[0] == "loading"
     with transaction(sessions) as session:
         session.execute(update(Worker).where(Worker.id == "w-live").values(heartbeat_at=db_now() - 31))
-        assert "w-live" in lifecycle.expired_workers(session, 30, "me")
+        assert "w-live" in liveness.expired_workers(session, 30, "me")
         send, publish = lifecycle.hand_on(session, task_id, error=lifecycle.restarted_error("gone"),
                                           attempt=attempt.number, owner_expired_after=30)
     assert status(sessions, task_id)[0] == "failed"

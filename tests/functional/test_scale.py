@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import event, select, text, update
 
-from common import eventlog, lifecycle, partitions
+from common import eventlog, lifecycle, liveness, partitions
 from common.db import make_engine, session_factory, transaction, upgrade
 from common.ids import id_floor
 from common.settings import Settings
@@ -96,11 +96,11 @@ def test_no_query_of_a_claim_a_sweep_or_the_writer_scans_a_table(crowded):
                              usage={})
             eventlog.read(session, claimed.attempt.response_id, 0)
             lifecycle.followed_task(session, "crowd", crowded.queued[1])
-            dead = lifecycle.expired_workers(session, 30, "w2")
+            dead = liveness.expired_workers(session, 30, "w2")
             lifecycle.fail_direct(session, dead, {})
             lifecycle.hand_on(session, crowded.queued[2], error={}, attempt=0, owner_expired_after=30)
             lifecycle.due_dispatches(session, "m", 60)
-            lifecycle.live_workers(session, 30)
+            liveness.live_workers(session, 30)
             session.rollback()
         recovery.hand_on_orphans(ctx)
         recovery.my_turn(ctx, "takeover")

@@ -8,7 +8,7 @@ import time
 
 from sqlalchemy import select
 
-from common import events, lifecycle
+from common import events, lifecycle, liveness
 from common.states import R
 from common.tables import Response
 from worker.output import OutputBuilder
@@ -38,7 +38,7 @@ class FakeWorker:
 
     def _beat(self, **kw) -> None:
         with self.sessions() as session:
-            lifecycle.heartbeat(session, self.id, self.model, self.started, running=0, ready=True, **kw)
+            liveness.heartbeat(session, self.id, self.model, self.started, running=0, ready=True, **kw)
             session.commit()
 
     def _loop(self) -> None:

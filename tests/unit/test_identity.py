@@ -1,12 +1,12 @@
 """One live process per worker id: a second process with a live worker's id refuses to start, and a
-worker whose id another process took over stops heartbeating (worker/identity.py, lifecycle.heartbeat)."""
+worker whose id another process took over stops heartbeating (worker/identity.py, liveness.heartbeat)."""
 
 import threading
 import time
 
 import pytest
 
-from common import lifecycle
+from common import liveness
 from common.db import make_engine, session_factory, transaction, upgrade
 from common.settings import ConfigError
 from worker.identity import ensure_sole
@@ -23,7 +23,7 @@ def sessions(tmp_path):
 
 def beat(sessions, worker_id, started_at, **kw):
     with transaction(sessions) as session:
-        lifecycle.heartbeat(session, worker_id, "m", started_at, running=0, ready=True, **kw)
+        liveness.heartbeat(session, worker_id, "m", started_at, running=0, ready=True, **kw)
 
 
 def test_a_second_process_with_a_live_workers_id_refuses_to_start(sessions):
@@ -62,8 +62,8 @@ def test_no_wait_for_an_id_that_stopped_or_never_ran(sessions):
 def test_a_worker_whose_id_was_taken_over_is_told_at_its_next_heartbeat(sessions):
     beat(sessions, "gpu0", 1.0, boot=True)   # paused past its lease...
     beat(sessions, "gpu0", 2.0, boot=True)   # ...while another process booted with its id
-    with pytest.raises(lifecycle.Replaced):
+    with pytest.raises(liveness.Replaced):
         beat(sessions, "gpu0", 1.0)
     beat(sessions, "gpu0", 2.0)              # the new holder heartbeats on
     with sessions() as session:
-        assert lifecycle.heartbeat_of(session, "gpu0") is not None
+        assert liveness.heartbeat_of(session, "gpu0") is not None

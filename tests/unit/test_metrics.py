@@ -49,7 +49,9 @@ def test_api_metrics_count_tasks_queues_and_workers_from_the_database(app):
             factories.task(session, status, model="m")
         now = time.time()
         session.add_all([Worker(id="h:gpu0", model="m", heartbeat_at=now, started_at=now, running=3),
-                         Worker(id="h:gpu1", model="m", heartbeat_at=now - 3600, started_at=now - 7200, running=0)])
+                         Worker(id="h:gpu1", model="m", heartbeat_at=now - 3600, started_at=now - 7200, running=0),
+                         # beating, but its engine is reloading: it takes no work, as GET /models says too
+                         Worker(id="h:gpu2", model="m", heartbeat_at=now, started_at=now, running=0, ready=False)])
         _, admin = create_token(session, "ops", ("admin",))
         _, user = create_token(session, "alice", ("tasks:read",))
         session.commit()
@@ -64,6 +66,7 @@ def test_api_metrics_count_tasks_queues_and_workers_from_the_database(app):
     assert got[("lmsp_queue_depth", (("model", "idle"),))] == 0   # every registered model has a series
     assert got[("lmsp_worker_up", (("model", "m"), ("worker", "h:gpu0")))] == 1
     assert got[("lmsp_worker_up", (("model", "m"), ("worker", "h:gpu1")))] == 0
+    assert got[("lmsp_worker_up", (("model", "m"), ("worker", "h:gpu2")))] == 0
     assert got[("lmsp_worker_running_requests", (("model", "m"), ("worker", "h:gpu0")))] == 3
 
 
