@@ -11,8 +11,7 @@ from sqlalchemy import func, select
 from api.auth import require
 from api.extensions import Services, services
 from common import liveness
-from common.states import QUEUED
-from common.tables import Task
+from common.tables import QueueCount, Task
 
 bp = Blueprint("metrics", __name__)
 
@@ -40,8 +39,9 @@ class ServiceFigures:
             for model, status, count in session.execute(
                     select(Task.model, Task.status, func.count()).group_by(Task.model, Task.status)):
                 tasks.add_metric([model, status], count)
-                if status == QUEUED:
-                    depth[model] = count
+            # the counts the queue limits read, kept by triggers (migration 0003): no count of the queue
+            depth.update(session.execute(select(QueueCount.name, QueueCount.queued).where(
+                QueueCount.kind == "model")).all())
             workers = liveness.worker_states(session, self.svc.settings.lease_seconds)
         for model, count in depth.items():
             queue.add_metric([model], count)
