@@ -542,6 +542,15 @@ def due_dispatches(session: Session, model: str, requeue_after: float, *, force:
         dispatched_at=now, dispatches=Task.dispatches + 1).returning(Task.id)).scalars())
 
 
+def stored_response(session: Session, principal: str, response_id: str | None) -> Response | None:
+    """The principal's response of that id if it was stored (``store`` on a model with conversations):
+    what GET /responses/{id} and previous_response_id may read; None otherwise, or for a malformed id."""
+    if not is_id("response", response_id):
+        return None
+    return session.execute(select(Response).where(Response.id == response_id, Response.principal_id == principal,
+                                                  Response.stored.is_(True))).scalar_one_or_none()
+
+
 def require_task(session: Session, principal: str, task_id: str) -> Task:
     task = session.execute(select(Task).where(Task.id == task_id, Task.principal_id == principal)
                            .execution_options(populate_existing=True)).scalar_one_or_none() \

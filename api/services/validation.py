@@ -3,16 +3,14 @@
 from dataclasses import dataclass
 
 from pydantic import ValidationError
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.grammar import check_budget
+from common import lifecycle
 from common.errors import LMSPError
-from common.ids import is_id
 from common.prompt import PromptError, load_tokenizer, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest, parse
 from common.registry import ModelSpec, local_checkpoint
-from common.tables import Response
 
 
 @dataclass
@@ -92,9 +90,7 @@ def _constraint(req: ResponseRequest) -> tuple[dict, str] | None:
 
 def _continue(session: Session, principal: str, req: ResponseRequest) -> ResponseRequest:
     """Prefix the input with the stored response's context and output."""
-    prev = session.execute(select(Response).where(
-        Response.id == req.previous_response_id, Response.principal_id == principal,
-        Response.stored.is_(True))).scalar_one_or_none() if is_id("response", req.previous_response_id) else None
+    prev = lifecycle.stored_response(session, principal, req.previous_response_id)
     if prev is None:
         raise LMSPError("response_not_found", f"No stored response {req.previous_response_id}",
                         param="previous_response_id")

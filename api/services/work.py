@@ -7,7 +7,6 @@ events are written by ``common.lifecycle`` only.
 
 import time
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
@@ -17,7 +16,6 @@ from common import events, interactive_wire, lifecycle, liveness, timeline
 from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError, problem
 from common.events import dumps
-from common.ids import is_id
 from common.resources import response_object, task_object
 from common.states import FAILED, QUEUED, SUCCEEDED, R
 from common.tables import Response, Task
@@ -208,9 +206,7 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
 
 
 def stored_response(session: Session, principal: str, response_id: str) -> dict:
-    row = session.execute(select(Response).where(
-        Response.id == response_id, Response.principal_id == principal, Response.stored.is_(True))
-    ).scalar_one_or_none() if is_id("response", response_id) else None
+    row = lifecycle.stored_response(session, principal, response_id)
     if row is None:
         raise LMSPError("response_not_found", f"No stored response {response_id}")
     return response_object(row)
