@@ -227,6 +227,16 @@ def _known_revisions() -> set[str]:
     return {script.revision for script in ScriptDirectory.from_config(alembic_config("")).walk_revisions()}
 
 
+def transact_retrying(factory: sessionmaker[Session], fn, *, log=None, stop=None):
+    """``fn(session)`` as one transaction, replayed for as long as the database is unreachable (until
+    ``stop`` is set): a worker keeps its events and outcomes through a Postgres restart, and the fence
+    decides, once it is back, whether the work is still its own."""
+    def attempt():
+        with transaction(factory) as session:
+            return fn(session)
+    return retrying(attempt, seconds=float("inf"), log=log, stop=stop)
+
+
 def retrying(fn, *, seconds: float = 300.0, log=None, stop=None):
     """Run ``fn()`` (one whole transaction) again while the database is unreachable.
 

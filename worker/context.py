@@ -11,7 +11,7 @@ from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from common.bus import Publisher
-from common.db import retrying, transaction
+from common.db import transact_retrying
 from common.lifecycle import Attempt
 from common.registry import ModelSpec
 from common.settings import Settings
@@ -86,10 +86,7 @@ class WorkerContext:
         """``fn(session)`` as one transaction, replayed while Postgres is unreachable (for as long as
         it takes: the fence decides, once it is back, whether this worker still owns the work); what it
         returns is published after the commit."""
-        def attempt():
-            with transaction(self.sessions) as session:
-                return fn(session)
-        result = retrying(attempt, seconds=float("inf"), log=log, stop=self.stopping)
+        result = transact_retrying(self.sessions, fn, log=log, stop=self.stopping)
         publish = result[1] if isinstance(result, tuple) else result
         if isinstance(publish, dict) and publish:
             self.publisher.publish_many(publish)

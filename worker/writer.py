@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from common import lifecycle
 from common.bus import Publisher
-from common.db import retrying, transaction
+from common.db import transact_retrying
 from common.errors import problem
 from common.lifecycle import Attempt
 from worker import metrics
@@ -146,9 +146,6 @@ class EventWriter:
         return False
 
     def _retrying(self, fn):
-        def attempt():
-            with transaction(self.sessions) as session:
-                return fn(session)
         # Postgres restarting: keep the events and try again, never drop them.
-        return retrying(attempt, seconds=float("inf"), log=log, stop=self.stop_event)
+        return transact_retrying(self.sessions, fn, log=log, stop=self.stop_event)
 
