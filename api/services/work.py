@@ -7,6 +7,7 @@ events are written by ``common.lifecycle`` only.
 
 import time
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
@@ -181,6 +182,23 @@ def task_view(session: Session, task: Task, registry) -> dict:
     attempts = [] if task.status == QUEUED else timeline.attempts_of(session, [task.id]).get(task.id, [])
     return task_doc(task, session.get(Response, task.response_id) if task.status == SUCCEEDED else None, registry,
                     attempts)
+
+
+def list_tasks_page(session: Session, registry, principal: str, states, limit: int, cursor: str | None) -> dict:
+    """A page of the principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages on."""
+    query = select(Task).where(Task.principal_id == principal)
+    if states:
+        query = query.where(Task.status.in_(states))
+    if cursor is not None:
+        query = query.where(Task.id < cursor)  # ids are ULIDs: they sort by creation time
+    rows = list(session.execute(query.order_by(Task.id.desc()).limit(limit + 1)).scalars())
+    page = rows[:limit]
+    done = [t.response_id for t in page if t.status == SUCCEEDED]
+    responses = {r.id: r for r in session.execute(select(Response).where(Response.id.in_(done))).scalars()}
+    attempts = timeline.attempts_of(session, [t.id for t in page])
+    data = [task_doc(t, responses.get(t.response_id), registry, attempts.get(t.id, [])) for t in page]
+    more = len(rows) > limit
+    return {"object": "list", "data": data, "has_more": more, "next_cursor": page[-1].id if more else None}
 
 
 def task_doc(task: Task, response: Response | None, registry, attempts=()) -> dict:

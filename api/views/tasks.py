@@ -3,7 +3,6 @@ import json
 import time
 
 from flask import Blueprint, Response, g, request
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from api import params
@@ -15,19 +14,16 @@ from api.services.validation import prepare
 from api.services.work import (
     cancel_task,
     get_task,
+    list_tasks_page,
     new_task,
     send_task,
-    task_doc,
     task_view,
 )
-from common import timeline
 from common.errors import LMSPError
 from common.events import REASONING_DELTA, TEXT_DELTA
 from common.ids import is_id
 from common.protocol import TaskRequest, parse
-from common.states import LOADING, QUEUED, STATES, SUCCEEDED, TERMINAL
-from common.tables import Response as ResponseRow
-from common.tables import Task
+from common.states import LOADING, QUEUED, STATES, TERMINAL
 
 bp = Blueprint("tasks", __name__, url_prefix="/lmsp/v1/tasks")
 # A long poll re-reads the task when its response's channel carries anything but text (or anything
@@ -170,21 +166,8 @@ def _list_query() -> tuple[list[str], int, str | None]:
 def list_tasks():
     """The principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages on."""
     states, limit, cursor = _list_query()
-    query = select(Task).where(Task.principal_id == principal())
-    if states:
-        query = query.where(Task.status.in_(states))
-    if cursor is not None:
-        query = query.where(Task.id < cursor)  # ids are ULIDs: they sort by creation time
     with services().sessions() as session:
-        rows = list(session.execute(query.order_by(Task.id.desc()).limit(limit + 1)).scalars())
-        page = rows[:limit]
-        done = [t.response_id for t in page if t.status == SUCCEEDED]
-        responses = {r.id: r for r in session.execute(select(ResponseRow).where(ResponseRow.id.in_(done))).scalars()}
-        attempts = timeline.attempts_of(session, [t.id for t in page])
-        data = [task_doc(t, responses.get(t.response_id), services().registry, attempts.get(t.id, []))
-                for t in page]
-    more = len(rows) > limit
-    return {"object": "list", "data": data, "has_more": more, "next_cursor": page[-1].id if more else None}
+        return list_tasks_page(session, services().registry, principal(), states, limit, cursor)
 
 
 @bp.post("/<task_id>/events/ticket")
