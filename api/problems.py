@@ -10,7 +10,6 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.routing import WebsocketMismatch
-from wsproto.utilities import RemoteProtocolError
 
 from common.errors import CODES, LMSPError, problem
 from common.wire import VERSION
@@ -107,15 +106,6 @@ def init_app(app: Flask) -> None:
                 "(Connection: Upgrade, Upgrade: websocket); GET .../events streams the same events over SSE")
         headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
         return problem_response(problem(code, detail, instance=request.path), headers)
-
-    @app.errorhandler(RemoteProtocolError)
-    def _handshake(exc: RemoteProtocolError):
-        # flask-sock shakes hands before the view runs; a client's bad handshake is its error, not ours.
-        hint = exc.event_hint
-        headers = {k.decode(): v.decode() for k, v in getattr(hint, "headers", None) or []}
-        named = re.search(r"header, '([A-Za-z-]+)", str(exc))  # wsproto: "Missing header, 'Sec-WebSocket-Key'"
-        return problem_response(problem("invalid_request", f"Not a valid WebSocket handshake: {exc}",
-                                        instance=request.path, param=named and named.group(1)), headers)
 
     @app.errorhandler(DBAPIError)
     @app.errorhandler(PoolTimeout)
