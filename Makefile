@@ -45,17 +45,20 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/lmsp dev
 
-# The layers (tests/*/): what needs no server (the api without servers, and `lmsp dev` on SQLite) runs
-# beside the real stack, filling its waits for engines and leases; then the faults, which restart
-# Postgres and Redis. The server-free lane's report is printed once the stack's is done; either failing
-# fails the target.
-FREE_LOG := $(VENV)/server-free-tests.log
+# The layers (tests/*/), three lanes at once: what needs no server (the api without servers, and `lmsp dev`
+# on SQLite); the fault tests, on a Postgres and a Redis of their own (they restart and flush them); and the
+# rest of the real stack on the shared ones. The lanes fill each other's waits for engines, leases and
+# restarts. The side lanes' reports are printed once the stack's is done; any lane failing fails the target.
+FREE_LOG   := $(VENV)/server-free-tests.log
+FAULTS_LOG := $(VENV)/fault-tests.log
 SERVER_FREE := tests/unit tests/functional/test_embedded.py
 test: model browser
 	@$(BIN)/pytest -q -p no:cacheprovider --durations=5 --basetemp=$(VENV)/server-free-tmp $(SERVER_FREE) > $(FREE_LOG) 2>&1 & free=$$!; \
-	$(BIN)/pytest --durations=15 --ignore=tests/functional/test_embedded.py tests/functional tests/faults; stack=$$?; \
+	$(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/faults-tmp tests/faults > $(FAULTS_LOG) 2>&1 & faults=$$!; \
+	$(BIN)/pytest --durations=15 --ignore=tests/functional/test_embedded.py tests/functional; stack=$$?; \
+	wait $$faults; faultss=$$?; echo "== tests/faults (ran beside the stack, on servers of their own)"; cat $(FAULTS_LOG); \
 	wait $$free; frees=$$?; echo "== $(SERVER_FREE) (ran beside the stack)"; cat $(FREE_LOG); \
-	test $$stack -eq 0 && test $$frees -eq 0
+	test $$stack -eq 0 && test $$faultss -eq 0 && test $$frees -eq 0
 
 # Several hosts without Kubernetes, rehearsed with network namespaces (root; minutes: two engines load).
 .PHONY: test-hosts

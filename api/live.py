@@ -47,6 +47,7 @@ Event = tuple[int, str, str]
 PING_SECONDS = 5.0         # the listener pings Redis this often; silence for 3 pings means it is gone
 CONFIRM_SECONDS = 1.0      # how long a new follower waits for Redis to confirm its subscription
 PAGE = 5000  # events per log read (~1 MB), written to the client in one piece; 20,000 cost 10% more CPU (bigger allocations)
+READ_AHEAD = 256 * 1024  # a replay's next page is read once less than this of the last is unsent (read and write overlap)
 SAFETY_NET_SECONDS = 5.0   # a quiet task's log is re-read (then "has it ended" asked) this often
 DIRECT_CHECK_SECONDS = 1.0  # a quiet direct stream asks whether its worker died this often
 TICK_SECONDS = 0.5         # heartbeats, pings, token rechecks and closing deadlines run this often
@@ -196,6 +197,8 @@ class SocketSink:
             try:
                 n = self.sock.sendmsg(list(itertools.islice(self.out, 64)))
             except (BlockingIOError, InterruptedError):
+                if self.follower.more and self.wants_more():
+                    self.follower.read_on()
                 return
             except OSError:
                 self.follower.end(GONE)
@@ -216,8 +219,8 @@ class SocketSink:
         elif self.follower.more:
             self.follower.read_on()
 
-    def drained(self) -> bool:
-        return not self.out
+    def wants_more(self) -> bool:
+        return self.queued < READ_AHEAD
 
     def finish(self, how: str, exc: BaseException | None, last: int) -> None:
         """The follower ended: say why in the stream's own terms, then close once it is sent."""
@@ -385,7 +388,7 @@ class QueueSink:
         if over:
             self.follower.end(CUT)
 
-    def drained(self) -> bool:
+    def wants_more(self) -> bool:
         return not self.items
 
     def finish(self, how: str, exc: BaseException | None, last: int) -> None:
@@ -540,7 +543,7 @@ class Follower:
             self.end(FINISHED)
         elif (page and len(page) >= PAGE) or self.reread:
             self.reread, self.more = False, True
-            if self.sink.drained():
+            if self.sink.wants_more():
                 self.read_on()
         else:
             self.state = LIVE

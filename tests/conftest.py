@@ -3,17 +3,29 @@ import uuid
 import pytest
 import yaml
 
-from tests.harness import Client, Stack, create_database, drop_database, model_entry
+from tests.harness import PG_URL, REDIS_URL, Client, Stack, create_database, drop_database, model_entry
 
 
 @pytest.fixture(scope="session")
-def pg_url():
+def pg_server():
+    """The Postgres server the run's database is made on (tests/faults overrides it with its own)."""
+    return PG_URL
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server):
     """A fresh Postgres database for this run, migrated, dropped at the end."""
     from common.db import upgrade
-    url = create_database()
+    url = create_database(server=pg_server)
     upgrade(url)
     yield url
     drop_database(url)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """The Redis the run's processes use (tests/faults overrides it with its own)."""
+    return REDIS_URL
 
 
 @pytest.fixture(scope="session")
@@ -22,11 +34,11 @@ def model_id():
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, pg_url, model_id):
+def stack(tmp_path_factory, pg_url, redis_url, model_id):
     tmp = tmp_path_factory.mktemp("stack")
     fault_model = model_id.replace(":t", ":f")
     pair_model = model_id.replace(":t", ":p")  # two workers of its own (tests/faults/test_faults.py)
-    s = Stack(tmp, pg_url, models=[
+    s = Stack(tmp, pg_url, redis_url=redis_url, models=[
         model_entry(fault_model),
         model_entry(pair_model),
         model_entry("tiny:no-tools", context_window=64, max_output_tokens=16,

@@ -27,16 +27,18 @@ def _with_db(url: str, name: str) -> str:
     return url.rsplit("/", 1)[0] + "/" + name
 
 
-def create_database(prefix: str = "lmsp_test") -> str:
+def create_database(prefix: str = "lmsp_test", server: str = PG_URL) -> str:
+    """A new database on ``server`` (the URL of any database there)."""
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(PG_URL.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+    with psycopg.connect(server.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    return _with_db(PG_URL, name)
+    return _with_db(server, name)
 
 
 def drop_database(url: str) -> None:
     name = url.rsplit("/", 1)[1]
-    with psycopg.connect(PG_URL.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+    admin = _with_db(url, "postgres").replace("postgresql+psycopg", "postgresql")
+    with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
@@ -67,9 +69,11 @@ def api_argv(port: int, workers: int, threads: int) -> list[str]:
 class Stack:
     """One test run's configuration: its database, its models file, its processes."""
 
-    def __init__(self, tmp: Path, database_url: str, *, redis: bool = True, models: list[dict]):
+    def __init__(self, tmp: Path, database_url: str, *, redis: bool = True, models: list[dict],
+                 redis_url: str = REDIS_URL):
         self.tmp = tmp
         self.database_url = database_url
+        self.redis_url = redis_url
         self.models_file = tmp / "models.yaml"
         self.models_file.write_text(yaml.safe_dump({"models": models}))
         self.env = {
@@ -88,8 +92,8 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
         }
         if redis:
-            self.env["LMSP_BROKER_URL"] = REDIS_URL
-            self.env["LMSP_REDIS_URL"] = REDIS_URL
+            self.env["LMSP_BROKER_URL"] = redis_url
+            self.env["LMSP_REDIS_URL"] = redis_url
         self.procs: list[subprocess.Popen] = []
 
     def lmsp(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:

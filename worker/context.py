@@ -49,6 +49,8 @@ class WorkerContext:
     engine_lost_at: float | None = None  # monotonic time the engine was found dead (until a new one loads)
     db_ok_since: float | None = None    # monotonic time of the first heartbeat after a database outage
     orphans: set = field(default_factory=set)  # own tasks seen not running at the last sweep
+    hints_live: threading.Event = field(default_factory=threading.Event)  # subscribed to the api's cancel hints
+    cancels_polled_at: float = 0.0  # monotonic time of the last poll for cancellations
     _broker_run_id: str | None = None
     _broker_client: "redis.Redis | None" = None
 

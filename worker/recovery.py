@@ -13,7 +13,7 @@ import threading
 import time
 
 import redis
-from sqlalchemy import delete, exists, select, text, update
+from sqlalchemy import delete, exists, select, text, union_all, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from common import eventlog, lifecycle, liveness, partitions
@@ -309,14 +309,19 @@ def sweep(ctx: WorkerContext) -> None:
 
 
 def watch_cancellations(ctx: WorkerContext) -> None:
+    """Stop what was cancelled. The api's hint on Redis (_control_listener) stops it at once; this poll
+    catches hints Redis lost: every tick while the hint channel is down, every heartbeat while it is up
+    (a hundred workers polling twice a second would be the database's busiest query)."""
     running = ctx.running_ids()
-    if not running:
+    now = time.monotonic()
+    if not running or (ctx.hints_live.is_set() and now - ctx.cancels_polled_at < ctx.settings.heartbeat_seconds):
         return
+    ctx.cancels_polled_at = now
+    cancelled = select(Response.id).where(Response.id.in_(running), Response.status == "cancelled")
+    cancelling = select(Task.response_id).where(Task.worker_id == ctx.worker_id, Task.status == CANCELLING,
+                                                Task.response_id.in_(running))
     with ctx.sessions() as session:
-        ids = list(session.execute(select(Response.id).where(
-            Response.id.in_(running), Response.status == "cancelled")).scalars())
-        ids += list(session.execute(select(Task.response_id).where(
-            Task.worker_id == ctx.worker_id, Task.status == CANCELLING, Task.response_id.in_(running))).scalars())
+        ids = list(session.execute(union_all(cancelled, cancelling)).scalars())
     for rid in ids:
         ctx.cancel(rid)
 
@@ -340,9 +345,11 @@ def _control_listener(ctx: WorkerContext) -> None:
         try:
             pubsub = ctx.publisher.client.pubsub(ignore_subscribe_messages=True)
             pubsub.subscribe(CONTROL)
+            ctx.hints_live.set()
             while not ctx.stopping.is_set():
                 message = pubsub.get_message(timeout=1.0)
                 if message and message["type"] == "message":
                     ctx.cancel(aborted(message["data"]))
         except (redis.RedisError, OSError):
+            ctx.hints_live.clear()  # hints sent from now until resubscribed are lost: poll often
             time.sleep(1)

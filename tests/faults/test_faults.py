@@ -4,7 +4,6 @@ duplicate deliveries. Every follower must see every sequence number exactly once
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -21,7 +20,7 @@ from common.db import make_engine, session_factory
 from common.registry import queue_name
 from common.settings import Settings
 from common.tables import Response, Task
-from tests.harness import REDIS_URL, engine_pids, iter_sse, user, wait_for
+from tests.harness import engine_pids, iter_sse, user, wait_for
 
 FINALS = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 ESSAY = "Write a very long, detailed essay about the history of {}."
@@ -231,26 +230,18 @@ def _queued_responses(sessions, model) -> int:
             Response.model == model, Response.status == "queued")).scalar()
 
 
-def restart_redis():
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.shutdown(nosave=True)
-    except redis.ConnectionError:
-        pass
-    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", "6379",
-                    "--save", "", "--appendonly", "no", "--dir", "/var/lib/redis",
-                    "--logfile", "/var/log/redis/ci.log"], check=True)
-    wait_for(lambda: _pings(client), 30, "redis did not come back")
+@pytest.fixture
+def restart_redis(private_servers):
+    """Restart the run's Redis empty (it saves nothing), as a crashed or redeployed broker comes back."""
+    server = private_servers[1]
+
+    def restart():
+        server.stop()
+        server.start()
+    return restart
 
 
-def _pings(client):
-    try:
-        return client.ping()
-    except redis.ConnectionError:
-        return False
-
-
-def test_redis_restarted_empty_loses_no_queued_task(stack, alice, pair):
+def test_redis_restarted_empty_loses_no_queued_task(stack, alice, pair, restart_redis):
     model = stack.pair_model
     frozen = [pair[name].pid for name in ("pair-a", "pair-b")]
     for pid in frozen:  # nobody takes the tasks before the broker forgets them
@@ -258,7 +249,7 @@ def test_redis_restarted_empty_loses_no_queued_task(stack, alice, pair):
     try:
         tasks = [submit(alice, model, f"Name a color, number {i}.", max_tokens=6) for i in range(20)]
         restart_redis()
-        assert redis.Redis.from_url(REDIS_URL).llen(queue_name(model)) == 0  # the broker forgot them
+        assert redis.Redis.from_url(stack.redis_url).llen(queue_name(model)) == 0  # the broker forgot them
     finally:
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
@@ -267,7 +258,7 @@ def test_redis_restarted_empty_loses_no_queued_task(stack, alice, pair):
         check_exactly_once(alice.sse(task["events_url"]))
 
 
-def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, model_id):
+def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, model_id, private_servers):
     """Every worker's heartbeat looks expired when Postgres comes back: nobody may take over a live
     worker's tasks for that (fail-policy tasks would fail because Postgres blinked)."""
     tasks = [submit(alice, model_id, ESSAY.format(t), "fail", max_tokens=250) for t in ("salt", "glass", "iron")]
@@ -275,10 +266,10 @@ def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, model
     for f in followers:
         f.start()
     wait_for(lambda: all(f.deltas() >= 5 for f in followers), 300, "generation did not start")
-    cluster = os.listdir("/etc/postgresql")[0]
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "stop"], check=True)
+    postgres = private_servers[0]
+    postgres.stop()
     time.sleep(int(stack.env["LMSP_LEASE_SECONDS"]) + 4)
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "start"], check=True)
+    postgres.start()
     for f in followers:
         f.join(600)
         assert not f.is_alive()
@@ -407,7 +398,7 @@ def _model(client, model):
     return client.get(f"/lmsp/v1/models/{requests.utils.quote(model, safe='')}").json()
 
 
-def test_redis_restarts_do_not_stop_workers(stack, alice, pair):
+def test_redis_restarts_do_not_stop_workers(stack, alice, pair, restart_redis):
     model = stack.pair_model
     pids = {name: pair[name].pid for name in ("pair-a", "pair-b")}
     loads = {name: worker_log(stack, name).count("Loading weights took") for name in pids}
@@ -501,7 +492,7 @@ def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pai
 
 def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, pair, sessions):
     model_id = stack.pair_model
-    settings = Settings(broker_url=REDIS_URL, home=stack.tmp / "home")
+    settings = Settings(broker_url=stack.redis_url, home=stack.tmp / "home")
     celery = make_celery(settings)
     tasks = [submit(alice, model_id, f"Write two sentences about the number {i}.", max_tokens=40)
              for i in range(12)]

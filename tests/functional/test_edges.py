@@ -291,6 +291,22 @@ def test_followers_complete_from_the_log_when_redis_is_unreachable(stack, alice,
     assert [(f["id"], f["event"]) for f in frames] == [(e[0], e[1]) for e in events[3:]]
 
 
+def test_a_cancel_whose_hint_never_reached_redis_still_stops_the_generation(stack, alice, model_id):
+    """The api's abort hint goes through Redis; an api that cannot reach it sends none, and the worker's
+    poll of the database (every heartbeat while its hint channel is up) must stop the task anyway."""
+    dead = stack.start_api(LMSP_REDIS_URL="redis://127.0.0.1:1/0")
+    client = Client(dead, alice.http.headers["Authorization"].split()[1])
+    job = task(client, model_id, input=user("Write a very long story about a river."), max_output_tokens=1000)
+    wait_for(lambda: client.get(f"/lmsp/v1/tasks/{job['id']}").json()["status"] == "running", 120, "never ran")
+    assert client.post(f"/lmsp/v1/tasks/{job['id']}/cancel").status_code == 200
+    wait_for(lambda: client.get(f"/lmsp/v1/tasks/{job['id']}").json()["status"] == "cancelled", 60,
+             "the worker never noticed the cancel")
+    events = client.sse(job["events_url"], timeout=60)
+    assert events[-1][1] == "response.cancelled"
+    deltas = sum(1 for e in events if e[1] == "response.output_text.delta")
+    assert deltas < 1000, "generation ran to its limit: the cancel was not seen while it ran"
+
+
 def test_a_long_synchronous_request_repeated_with_its_key_runs_once(stack, edge, model_id, pg_url):
     import psycopg
     client = Client(edge, stack.token("ursula"))
