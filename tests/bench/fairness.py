@@ -26,6 +26,8 @@ from pathlib import Path
 
 import psycopg
 
+from common.db import make_engine, session_factory
+from common.tokens import DEFAULT_SCOPES, create_token
 from tests.bench.fleet_load import Fleet, Loop, dsn, pool_env, post_task, task_body
 from tests.bench.util import log, percentile
 
@@ -127,10 +129,9 @@ def read_rows(database_url: str, task_ids: list[str]) -> list[Row]:
 
 
 def submit(loop: Loop, base: str, model: str, batches: list[tuple[str, int, int]]) -> list[str]:
-    """POST ``(token, count, max_tokens)`` batches in order, each batch's tasks interleaved with the
-    next batch's when they are given at once (a list of lists is interleaved)."""
+    """POST ``(token, count, max_tokens)`` batches, one after the other; the tasks' ids."""
     async def one_batch(token: str, count: int, tokens: int) -> list[str]:
-        pending, ids = asyncio.Semaphore(8), []
+        pending, ids = asyncio.Semaphore(16), []
 
         async def post(i: int) -> None:
             async with pending:
@@ -171,12 +172,15 @@ class Bench:
         self.base = self.fleet.start_apis(1, threads=32, **pool_env(8))[0]
         self.fleet.wait_workers(ids)
         self.loop = Loop()
+        self.sessions = session_factory(make_engine(database_url, pool_size=1, max_overflow=0))
 
     def tenant(self, name: str, weight: float = 1.0) -> tuple[str, str]:
-        """(principal, token) of a new tenant of that weight."""
+        """(principal, token) of a new tenant of that weight (as `lmsp tokens create --weight` makes it)."""
         principal = f"{name}-{uuid.uuid4().hex[:6]}"
-        token = self.fleet.stack.lmsp("tokens", "create", "--principal", principal, "--weight", str(weight))
-        return principal, token.stdout.strip()
+        with self.sessions() as session:
+            _, secret = create_token(session, principal, DEFAULT_SCOPES, weight=weight)
+            session.commit()
+        return principal, secret
 
     def run(self, batches: list[tuple[str, int, int]], timeout: float = 600) -> list[Row]:
         ids = submit(self.loop, self.base, self.fleet.model, batches)
