@@ -19,15 +19,18 @@ finitely many tasks whose tags are smaller (each principal's tags grow by at lea
 then claimed: nothing starves, however long another principal's backlog. An idle principal earns no
 credit: it comes back at ``V``.
 
-The bound kept (SFQ's fairness theorem, the form of VTC's Theorem 4.3): while principals f and g
-are both backlogged, the tokens W charged to the tasks claimed for each in any interval satisfy::
+The bound kept. VTC (Sheng et al.) proves that two backlogged clients' services differ by at most
+2U, U about one batch's worth of cost. Here, SFQ's theorem (Goyal et al.) holds for the sequence of
+claims: while principals f and g are both backlogged, the tokens W charged to the tasks claimed for
+each in any run of consecutive claims satisfy::
 
     | W_f / w_f  -  W_g / w_g |  <=  C_f / w_f  +  C_g / w_g
 
 where C is the largest charge of one of that principal's tasks (at most the model's context window).
-With S engine slots claiming concurrently, claims commit up to S out of order, and tokens served lag
-tokens claimed by what is in flight: the served-token difference is bounded by that plus S x C / w.
-``make bench FIGURES=fairness`` measures it.
+Claims are made by S engine slots at once (workers x max_num_seqs), so over an interval of time, up
+to S - 1 claims in flight may fall on either side of its ends: the bound over time adds
+(S - 1) x max(C_f / w_f, C_g / w_g), the counterpart of VTC's batch term. Tokens served lag the
+tokens claimed by what is in the batches. ``make bench FIGURES=F3,F4`` measures both.
 
 Interactive requests (``POST /responses``) never enter this order: they have their own queue, and
 the engine admits them before any task (worker/gate.py). Handed-on tasks are claimed by their own

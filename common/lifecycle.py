@@ -392,7 +392,7 @@ def finish(session: Session, attempt: Attempt, status: R, *, first_seq: int, emi
         if not transition(session, attempt.task_id, CANCELLED, only_from=[CANCELLING], where=fence):
             raise Fenced(attempt)
         status = R.CANCELLED
-    if usage is not None:
+    if (usage or {}).get("total_tokens") is not None:  # what it used corrects what it was charged
         fairshare.settle(session, attempt.task_id, usage["total_tokens"])
     batch = _final(session, attempt.response_id, status, first_seq=first_seq, emitted=emitted,
                    output=output, usage=usage, error=error, logged=logged)

@@ -236,7 +236,8 @@ def _trace(rid: str, batch, since: float, tokens: int) -> None:
 
 
 def run_task(ctx: WorkerContext, task_id: str) -> None:
-    """A broker delivery: claim the task (queued, or handed on mid-run), or drop a duplicate."""
+    """A broker delivery: claim its task if handed on mid-run, else the queue's next in fair-share order
+    (lifecycle.claim); nothing when the queue is empty (a duplicate, a cancelled task's message)."""
     with logs.bound(task_id=task_id):
         _run_task(ctx, task_id)
 
@@ -259,8 +260,7 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
     claimed = ctx.write(claim)[0]
     if claimed is None or ctx.running(claimed.attempt):
         return  # a thread here runs this very attempt: its claim was lost by a database crash, then redone
-    task_id = claimed.task.id  # the queue's next in fair order, not always the message's own
-    with logs.bound(task_id=task_id):
+    with logs.bound(task_id=claimed.task.id):  # not always the message's own
         _run_claimed(ctx, claimed, points)
 
 
