@@ -12,7 +12,8 @@ A claim takes the queued task of its model with the least ``finish`` (the oldest
 an index that holds exactly the queued tasks in that order, and moves ``V`` up to its ``start``.
 When the task ends, the charge it did not use (``c`` minus its input and output tokens) is given
 back: ``F_p`` moves back by that share of its span, so the principal's next tasks are tagged
-earlier (the correction by actual use; its tasks already queued keep their tags).
+earlier (the correction by actual use; its tasks already queued keep their tags, so a later one may
+pass them by what was given back: shares are kept between principals, not order within one).
 
 Aging: ``V`` never decreases and no task starts before it, so a queued task is passed only by the
 finitely many tasks whose tags are smaller (each principal's tags grow by at least 1/w per task),

@@ -67,6 +67,22 @@ def test_weights_share_tokens_within_the_bound(seed):
     assert served["b"] / served["a"] == pytest.approx(2, rel=0.1)
 
 
+def test_nothing_starves_behind_a_stream_of_smaller_tasks():
+    """Aging: a large task waits while others keep coming, but the system's virtual time passes its
+    tag, and from then on every newcomer is tagged after it."""
+    q = Queue({"big": 1, "small": 1, "more": 1})
+    q.submit("big", 5000)
+    claims = 0
+    while True:
+        q.submit("small", 100)  # one newcomer per claim, for ever
+        q.submit("more", 100)
+        claims += 1
+        if q.claim()[0] == "big":
+            break
+        assert claims < 200
+    assert claims <= 2 * 5000 // 100 + 2
+
+
 def test_unused_charge_is_given_back_in_proportion():
     assert fairshare.unused(10.0, 110.0, 200, 50) == 75.0
     assert fairshare.unused(10.0, 110.0, 200, 200) == 0.0
