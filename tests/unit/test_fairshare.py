@@ -92,7 +92,7 @@ def test_unused_charge_is_given_back_in_proportion():
 def _create(session, principal: str, model: str, input_tokens: int = 100, max_tokens: int = 100) -> Task:
     factories.principal(session, principal)
     response = lifecycle.new_response(principal=principal, model=model, request={"input": []},
-                                      input_tokens=input_tokens, max_tokens=max_tokens, status=R.QUEUED,
+                                      input_tokens=input_tokens, max_tokens=max_tokens, status=R.IN_PROGRESS,
                                       stored=False, previous_response_id=None)
     task = lifecycle.new_task(response, "retry")
     assert lifecycle.create_task(session, response, task, lifecycle.Room(10**6, 10**6), commit=True)
