@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import JSON, bindparam, case, exists, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from common import eventlog, events, liveness
+from common import eventlog, events, fairshare, liveness
 from common.db import Compiled, commit_lazily, db_now, run_batch
 from common.errors import LMSPError, problem
 from common.events import dumps
@@ -137,7 +137,8 @@ def new_task(response: Response, on_restart: str) -> Task:
     now = response.created_at
     return Task(id=new_id("task"), principal_id=response.principal_id, response_id=response.id, type="response",
                 model=response.model, status=QUEUED, on_restart=on_restart, attempt=0, created_at=now,
-                updated_at=now, dispatches=1, events_expired=False)
+                updated_at=now, dispatches=1, events_expired=False,
+                cost=fairshare.charge(response.input_tokens, response.max_tokens))
 
 
 def create_task(session: Session, response: Response, task: Task, room: Room | None = None, *,
@@ -161,8 +162,12 @@ def create_task(session: Session, response: Response, task: Task, room: Room | N
         values.update(principal_queue=response.principal_id, model_queue=response.model, max_mine=room.mine,
                       max_total=room.total)
     at = len(steps)
-    steps += [(head, values), _row_step(task, after=response.id, dispatched_at=db_now()),
-              _row_step(first, after=response.id), *(_row_step(row, after=response.id) for row in also)]
+    # The principal's clock is charged, then the task tagged from it (common/fairshare.py).
+    fair = fairshare.charge_params(task.model, task.principal_id, task.cost)
+    tagged, task_values = _row_step(task, after=response.id, dispatched_at=db_now(), **fairshare.task_tags())
+    steps += [(head, values), (fairshare.CHARGE, {**fair, "created_response": response.id}),
+              (tagged, {**task_values, **fair}), _row_step(first, after=response.id),
+              *(_row_step(row, after=response.id) for row in also)]
     return run_batch(session, steps, commit=commit)[at] == 1
 
 
@@ -213,35 +218,44 @@ class Claim:
 
 def claim(session: Session, task_id: str, worker_id: str, *, model: str | None = None, retried: bool = False,
           busy: frozenset[str] = frozenset()) -> tuple[Claim | None, Publish]:
-    """Take a task whose message arrived: a queued one (queued -> loading), or one handed on mid-run
-    (loading/running/cancelling with no owner). A new attempt number fences every earlier owner. A
-    duplicate delivery, a task someone else holds, or one of another ``model`` claims nothing.
+    """Take work for the message of ``task_id``: that task if it was handed on mid-run (loading/running/
+    cancelling with no owner; its message jumped the queue), else the queued task of its model that
+    comes first in fair-share order (common/fairshare.py), the message's own or another: every queued
+    task has a message, so each message claims one task while any is queued, then nothing (a
+    duplicate delivery, a cancelled task's message). Either is one conditional UPDATE (queued ->
+    loading for the queue); a new attempt number fences every earlier owner. ``model``: only tasks of
+    that model (the worker's).
 
     ``retried``: this claim's transaction is being replayed (its commit's reply was lost), so a task
-    still loading under this worker id is our own claim, committed after all, unless it is running
-    here (its response id in ``busy``): taken again rather than left for the sweeper to judge an orphan."""
+    of the model still loading under this worker id is our own claim, committed after all, unless it is
+    running here (its response id in ``busy``): taken again rather than left for the sweeper to judge an
+    orphan."""
     # Lazily committed: a claim the database loses in a crash leaves the task queued for the sweeper,
     # and this attempt fenced out of every write; the next ordinary commit makes it durable anyway.
     commit_lazily(session)
-    mine = () if model is None else (Task.model == model,)
-    task = transition_returning(session, task_id, LOADING, only_from=[QUEUED], where=mine, worker_id=worker_id,
-                                attempt=Task.attempt + 1)
-    fresh, adopted = task is not None, False
-    if not fresh:
-        task = session.execute(update(Task).where(
-            Task.id == task_id, Task.status.in_(LIVE), Task.worker_id.is_(None), *mine).values(
-            worker_id=worker_id, attempt=Task.attempt + 1).returning(Task).execution_options(
-            populate_existing=True)).scalar_one_or_none()
-        if task is None and retried:
-            task = session.execute(update(Task).where(
-                Task.id == task_id, Task.status == LOADING, Task.worker_id == worker_id,
-                Task.response_id.not_in(busy)).values(attempt=Task.attempt + 1).returning(Task)
-                .execution_options(populate_existing=True)).scalar_one_or_none()
-            adopted = task is not None
+    of_model = model if model is not None else select(Task.model).where(Task.id == task_id).correlate(None) \
+        .scalar_subquery()
+    returning = dict(populate_existing=True)
+    task = session.execute(update(Task).where(
+        Task.id == task_id, Task.status.in_(LIVE), Task.worker_id.is_(None), Task.model == of_model).values(
+        worker_id=worker_id, attempt=Task.attempt + 1).returning(Task).execution_options(**returning)
+    ).scalar_one_or_none()
+    fresh = adopted = False
+    if task is None and retried:
+        ours = select(Task.id).where(Task.model == of_model, Task.status == LOADING, Task.worker_id == worker_id,
+                                     Task.response_id.not_in(busy)).order_by(Task.virtual_finish).limit(1)
+        task = session.execute(update(Task).where(Task.id == ours.correlate(None).scalar_subquery()).values(
+            attempt=Task.attempt + 1).returning(Task).execution_options(**returning)).scalar_one_or_none()
+        adopted = task is not None
+    if task is None:
+        task = transition_returning(session, fairshare.next_queued(session, of_model), LOADING, only_from=[QUEUED],
+                                    worker_id=worker_id, attempt=Task.attempt + 1)
         if task is None:
             return None, {}
+        fresh = True
+        fairshare.advance(session, task)
     if task.status == CANCELLING:  # cancelled while nobody ran it: finish the cancellation now
-        transition(session, task_id, CANCELLED, only_from=[CANCELLING])
+        transition(session, task.id, CANCELLED, only_from=[CANCELLING])
         return None, _task_final(session, task, R.CANCELLED)
     response = session.get(Response, task.response_id, populate_existing=True)
     log = [] if fresh else eventlog.read(session, response.id, 0, limit=10**9)
@@ -378,6 +392,8 @@ def finish(session: Session, attempt: Attempt, status: R, *, first_seq: int, emi
         if not transition(session, attempt.task_id, CANCELLED, only_from=[CANCELLING], where=fence):
             raise Fenced(attempt)
         status = R.CANCELLED
+    if (usage or {}).get("total_tokens") is not None:  # what it used corrects what it was charged
+        fairshare.settle(session, attempt.task_id, usage["total_tokens"])
     batch = _final(session, attempt.response_id, status, first_seq=first_seq, emitted=emitted,
                    output=output, usage=usage, error=error, logged=logged)
     return {attempt.response_id: batch}
@@ -464,7 +480,8 @@ def cancel(session: Session, task: Task, lease_seconds: float | None = None) -> 
     """7.3. Returns (whether the owning worker must be told to stop, events to publish). A task whose
     owner's lease expired (by the database's clock) is cancelled at once: with no worker alive at all,
     no sweeper would ever finish its cancellation."""
-    if task.status == QUEUED and transition(session, task.id, CANCELLED, only_from=[QUEUED]):
+    if task.status == QUEUED and fairshare.settle(session, task.id, 0, queued=True):
+        transition(session, task.id, CANCELLED, only_from=[QUEUED])  # settle holds it queued: this wins
         return False, _task_final(session, task, R.CANCELLED)  # no worker owns a queued task
     if transition(session, task.id, CANCELLING, only_from=[LOADING, RUNNING]) or task.status == CANCELLING:
         owner = session.execute(select(Task.worker_id).where(Task.id == task.id)).scalar()

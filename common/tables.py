@@ -25,6 +25,7 @@ class Principal(Base):
     __tablename__ = "principals"
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     created_at: Mapped[float] = mapped_column(Float)
+    weight: Mapped[float] = mapped_column(Float, server_default="1")  # its share of each model (common/fairshare.py)
 
 
 class ApiToken(Base):
@@ -83,6 +84,11 @@ class Task(Base):
     crashes: Mapped[int] = mapped_column(Integer, server_default="0")  # engine deaths while it was prefilled
     ended_at: Mapped[float | None] = mapped_column(Float)
     events_expired: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Fair share (common/fairshare.py): tokens charged (input + max output), and the virtual times the
+    # charge spans on its principal's clock; the claim takes the queued task that finishes first.
+    cost: Mapped[int] = mapped_column(Integer, server_default="0")
+    virtual_start: Mapped[float] = mapped_column(Float, server_default="0")
+    virtual_finish: Mapped[float] = mapped_column(Float, server_default="0")
 
     __table_args__ = (
         Index("ix_tasks_status_model", "status", "model"),
@@ -90,9 +96,19 @@ class Task(Base):
         Index("ix_tasks_principal_status", "principal_id", "status"),  # the per-principal queue limit
         Index("ix_tasks_ended", "ended_at"),                              # record retention
         _partial("ix_tasks_unowned", "model", "dispatched_at", where=UNOWNED),  # broker re-sends
+        _partial("ix_tasks_fair", "model", "virtual_finish", "id", where="status = 'queued'"),  # the claim's order
         # Tasks whose events are still kept, by creation time: what holds an event partition back.
         _partial("ix_tasks_events_kept", "created_at", where="NOT events_expired"),
     )
+
+
+class VirtualTime(Base):
+    """Fair share's clocks per model (common/fairshare.py): each principal's virtual finish time (the
+    end of its last charge), and, in the row of principal ``""``, the model's system virtual time."""
+    __tablename__ = "virtual_times"
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    principal_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    finish: Mapped[float] = mapped_column(Float)
 
 
 class TaskAttempt(Base):

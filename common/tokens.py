@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
+from common.fairshare import MAX_WEIGHT, MIN_WEIGHT
 from common.ids import is_id, new_id
 from common.tables import ApiToken, Principal
 
@@ -57,13 +58,23 @@ def check_principal(principal: str, name: str | None = None) -> None:
         raise ValueError("a token name is at most 200 characters, without NUL")
 
 
-def create_token(session: Session, principal: str, scopes: tuple[str, ...], name: str | None = None
-                 ) -> tuple[str, str]:
-    """Create a token; return (token id, secret). The caller shows the secret once."""
+def check_weight(weight: float) -> None:
+    """Raise ValueError for a fair-share weight out of range (common/fairshare.py)."""
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NaN fails too
+        raise ValueError(f"a weight is from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}, not {weight:g}")
+
+
+def create_token(session: Session, principal: str, scopes: tuple[str, ...], name: str | None = None,
+                 weight: float | None = None) -> tuple[str, str]:
+    """Create a token; return (token id, secret). The caller shows the secret once. ``weight``: the
+    principal's share of each model from now on (a new principal gets 1 without it)."""
     now = time.time()
-    if session.get(Principal, principal) is None:
-        session.add(Principal(id=principal, created_at=now))
+    row = session.get(Principal, principal)
+    if row is None:
+        session.add(Principal(id=principal, created_at=now, weight=1.0 if weight is None else weight))
         session.flush()
+    elif weight is not None:
+        row.weight = weight
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token_id = new_id("token")
     session.add(ApiToken(id=token_id, principal_id=principal, name=name, token_hash=hash_secret(secret),
@@ -96,8 +107,10 @@ def is_active(session: Session, token_id: str) -> bool:
     return row is not None and row.revoked_at is None
 
 
-def list_tokens(session: Session) -> list[ApiToken]:
-    return list(session.execute(select(ApiToken).order_by(ApiToken.created_at)).scalars())
+def list_tokens(session: Session) -> list[tuple[ApiToken, float]]:
+    """Every token, and its principal's weight."""
+    return [tuple(row) for row in session.execute(select(ApiToken, Principal.weight).join(
+        Principal, Principal.id == ApiToken.principal_id).order_by(ApiToken.created_at))]
 
 
 def revoke_token(session: Session, token_id: str) -> bool:

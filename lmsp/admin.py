@@ -24,18 +24,24 @@ cli.command("migrate", help="Apply database migrations.")(migrate)
 @click.option("--principal", required=True, help="The tenant the token acts for: 1-128 visible characters.")
 @click.option("--scopes", help="Comma-separated; default: every 1.0 scope but admin.")
 @click.option("--name", help="A label for `lmsp tokens list`: at most 200 characters.")
-def tokens_create(principal: str, scopes: str | None, name: str | None) -> None:
+@click.option("--weight", type=float, help="The principal's share of each model's GPUs against other "
+              "principals', by tokens (default 1; 2 gets twice the tokens of 1 while both wait). Sets it "
+              "for the principal's every token.")
+def tokens_create(principal: str, scopes: str | None, name: str | None, weight: float | None) -> None:
     """Create a token; prints it once."""
-    from common.tokens import check_principal, create_token, parse_scopes
+    from common.tokens import check_principal, check_weight, create_token, parse_scopes
     try:
         granted = parse_scopes(scopes)
         check_principal(principal, name)
+        if weight is not None:
+            check_weight(weight)
     except ValueError as exc:
         fail(str(exc))
     with sessions()() as session:
-        token_id, secret = create_token(session, principal, granted, name)
+        token_id, secret = create_token(session, principal, granted, name, weight)
         session.commit()
-    say(f"created token {token_id} for principal {principal} with scopes {' '.join(granted)}; "
+    shared = "" if weight is None else f", weight {weight:g}"
+    say(f"created token {token_id} for principal {principal} with scopes {' '.join(granted)}{shared}; "
         "it is shown only now")
     click.echo(secret)
 
@@ -46,10 +52,11 @@ def tokens_list() -> None:
     from common.tokens import list_tokens
     with sessions()() as session:
         rows = list_tokens(session)
-    click.echo(f"{'ID':32} {'PRINCIPAL':20} {'NAME':16} {'STATE':8} SCOPES")
-    for t in rows:
+    click.echo(f"{'ID':32} {'PRINCIPAL':20} {'WEIGHT':>6} {'NAME':16} {'STATE':8} SCOPES")
+    for t, weight in rows:
         state = "revoked" if t.revoked_at else "active"
-        click.echo(f"{t.id:32} {t.principal_id:20} {(t.name or '-'):16} {state:8} {t.scopes.replace(' ', ',')}")
+        click.echo(f"{t.id:32} {t.principal_id:20} {weight:>6g} {(t.name or '-'):16} {state:8} "
+                   f"{t.scopes.replace(' ', ',')}")
 
 
 @tokens.command("revoke")

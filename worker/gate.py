@@ -6,7 +6,8 @@ engine lives on one long-lived loop in a daemon thread. Pool threads hand reques
 with ``run_coroutine_threadsafe`` and read the streamed outputs from a thread-safe queue; every
 in-flight task is one concurrent engine request, which keeps continuous batching full.
 
-Admission is ours: at most ``max_num_seqs`` requests are in the engine, the most urgent first.
+Admission is ours: at most ``max_num_seqs`` requests are in the engine, the most urgent first: a
+person's request, then tasks in the claim's fair-share order (their virtual finish times).
 vLLM's priority scheduler preempts only when KV blocks run out, never for a batch slot, so a
 person's request arriving at a full batch would wait for a background one to finish; instead the
 host pauses the least urgent background request (aborts it, keeps its tokens) and resubmits it as
@@ -41,6 +42,7 @@ class GenParams:
     json_schema: dict | None = None  # structured output: constrain to this JSON schema
     stop_token_ids: list[int] | None = None
     priority: int = 0  # lower value = served earlier (vLLM priority scheduling)
+    rank: float = 0.0  # within a priority, lower is admitted first: a task's virtual finish (common/fairshare.py)
     seed: int | None = None
     ignore_eos: bool = False  # keep generating past EOS (benchmarks, equal-length tests)
 
@@ -62,7 +64,7 @@ class Request:
     def __init__(self, request_id: str, params: GenParams):
         self.request_id = request_id
         self.params = params
-        self.order = (params.priority, next(self._arrivals))  # lower is more urgent
+        self.order = (params.priority, params.rank, next(self._arrivals))  # lower is more urgent
         self.attempt = 0
         self.output_ids: list[int] = []  # delivered so far: a paused request resumes after them
         self.paused = False  # aborted by the gate, to be resubmitted

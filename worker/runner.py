@@ -60,6 +60,7 @@ class Job:
         self.logged = attempt.task_id is not None or ctx.log_direct
         self.entry = ctx.register(attempt)
         self.created_at: float | None = None  # the task's, for its timeline's phase metrics
+        self.rank = 0.0  # the task's virtual finish: its place in the engine's admission (worker/gate.py)
         self.points: dict = {}  # this attempt's timeline so far (common/timeline.py), Unix seconds
         self.window_since = 0.0  # wall time of the oldest token not yet emitted (LMSP_TRACE_TOKEN_TIMES)
         self.window_tokens = 0
@@ -108,7 +109,7 @@ class Job:
         schema = tool_call_schema(self.req) or self.req.json_schema
         temperature = self.req.temperature if self.req.temperature is not None else ctx.spec.default_temperature
         params = GenParams(max_tokens=max(max_tokens, 1), temperature=temperature, json_schema=schema,
-                           priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY)
+                           priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY, rank=self.rank)
         prompt = prompt_ids if prompt_ids and not builder.raw else render(tokenizer, self.req,
                                                                           continuation=builder.raw)
         output_tokens, finish_reason, error = prior_output_tokens, None, None
@@ -235,7 +236,8 @@ def _trace(rid: str, batch, since: float, tokens: int) -> None:
 
 
 def run_task(ctx: WorkerContext, task_id: str) -> None:
-    """A broker delivery: claim the task (queued, or handed on mid-run), or drop a duplicate."""
+    """A broker delivery: claim its task if handed on mid-run, else the queue's next in fair-share order
+    (lifecycle.claim); nothing when the queue is empty (a duplicate, a cancelled task's message)."""
     with logs.bound(task_id=task_id):
         _run_task(ctx, task_id)
 
@@ -258,9 +260,15 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
     claimed = ctx.write(claim)[0]
     if claimed is None or ctx.running(claimed.attempt):
         return  # a thread here runs this very attempt: its claim was lost by a database crash, then redone
+    with logs.bound(task_id=claimed.task.id):  # not always the message's own
+        _run_claimed(ctx, claimed, points)
+
+
+def _run_claimed(ctx: WorkerContext, claimed, points: dict) -> None:
+    task_id = claimed.task.id
     try:
         job = Job(ctx, claimed.attempt, claimed.response, claimed.log[-1][0] if claimed.log else 1)
-        job.created_at, job.points = claimed.task.created_at, points
+        job.created_at, job.points, job.rank = claimed.task.created_at, points, claimed.task.virtual_finish
         builder = job.builder()
         prior_tokens = 0
         if not claimed.fresh:

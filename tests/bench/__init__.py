@@ -23,6 +23,10 @@ Figures (see ``__main__`` for the order they run in):
   / the same with an idle queue; a note gives the background throughput this costs.
 * D1 engine settings: the bare engine's tokens/s (32 requests x 64 tokens) at the dtype resolved
   for this machine / at bfloat16 (n/a where bf16 is native).
+* F1-F4 fair share (tests/bench/fairness.py, simulated GPUs): a tenant's 10 tasks after another's 500,
+  their p99 queue wait / what their share entitles them to; throughput / FIFO on the same load; a
+  weight-2 tenant's tokens / a weight-1 tenant's while both wait; the largest weighted service gap
+  / the bound common/fairshare.py states.
 * V1-V3 side by side with vLLM's own OpenAI server (same checkpoint, same resolved engine
   arguments): 64 x 128-token tasks / the same chat completions against it; 64 concurrent
   POST /responses / the same; TTFT p50 of 30 sequential 8-token streams minus its own.

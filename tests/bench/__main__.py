@@ -8,7 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.bench import ONLY, REPS, enabled, select
+from tests.bench import ONLY, REPS, enabled, fairness, select
 from tests.bench.util import (
     Freezer,
     affinity,
@@ -75,6 +75,7 @@ FIGURES = {
             "<= 100 ms, all served"),
     "B6": (f"interactive TTFT, {B6_QUEUED} queued + full batch ÷ idle", "<= 2"),
     "M1": ("api gunicorn workers peak RSS (VmHWM, each; lmsp serve's and B4b's)", "<= 200 MiB"),
+    **fairness.FIGURES,
 }
 
 
@@ -83,6 +84,7 @@ def figs(*ids: str) -> list[tuple[str, str, str]]:
 
 
 PART_OF = {"B4b": "B4", "T1": "B1"}  # measured by another figure's run
+FAIRNESS = tuple(fairness.FIGURES)
 
 
 def main() -> int:
@@ -148,6 +150,8 @@ def main() -> int:
             guarded(table, figs("B5"), lambda: b5(run, table), log)
         if enabled("D1"):
             guarded(table, figs("D1"), lambda: d1(table, entry, machine), log)
+        if figs(*FAIRNESS):  # simulated GPUs: no engine takes the CPU
+            guarded(table, figs(*FAIRNESS), lambda: fairness.figures(table, db_url, tmp / "fairness"), log)
 
         # ---- phase 2: engines, only one ever running -----------------------------------------------------
         # The idle side is frozen with SIGSTOP, so it takes no CPU, and the reps of the sides

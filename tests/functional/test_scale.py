@@ -57,6 +57,11 @@ def crowded():
         conn.execute(text("INSERT INTO workers (id, model, heartbeat_at, started_at, running, ready) "
                           "SELECT 'w' || i, 'm', :now - (i % 2) * 3600, 0, 0, true FROM generate_series(1, :n) i"),
                      {"now": now, "n": WORKERS})
+        # Fair share's clocks: a model's system time and a principal's, among many principals' and models'.
+        conn.execute(text("INSERT INTO virtual_times (model, principal_id, finish) VALUES ('m', '', 0), "
+                          "('m', 'crowd', 0)"))
+        conn.execute(text("INSERT INTO virtual_times (model, principal_id, finish) "
+                          "SELECT 'm' || (i % 100), 'p' || i, i FROM generate_series(1, :n) i"), {"n": QUEUED})
         conn.execute(text("INSERT INTO idempotency_records (principal_id, method, path, key, request_hash, created_at) "
                           "SELECT 'crowd', 'POST', '/lmsp/v1/tasks', i::text, 'h', :now FROM generate_series(1, :n) i"),
                      {"now": now, "n": QUEUED})

@@ -4,6 +4,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.bench.__main__ import blocks_of, checked, rotated
 from tests.bench.service import loaded
 from tests.bench.util import Freezer, tree
@@ -118,3 +120,20 @@ def _wait_state(pid: int, state: str) -> bool:
 
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_fairness_figures_judge_what_they_say():
+    """tests/bench/fairness.py: a late tenant's entitlement, and a gap measured over any interval."""
+    from tests.bench.fairness import Row, entitled_waits, weighted_service
+    late = [Row("b", created=10.0 + i / 100, claimed=0, ended=0, cost=100, used=100) for i in range(3)]
+    # Half of 100 tokens/s: its own tasks ahead at 50 tokens/s, plus one largest task at the full rate.
+    assert entitled_waits(late, rate=100, share=0.5, largest=200) == [2.0, 4.0, 6.0]
+    # FIFO's order (all of a's, then all of b's) at equal weights: a gap of the whole backlog, far past the bound.
+    rows = [Row("a", 0, claimed=1 + i, ended=0, cost=10, used=10) for i in range(10)]
+    rows += [Row("b", 0, claimed=20 + i, ended=0, cost=10, used=10) for i in range(10)]
+    share, gap, info = weighted_service(rows, {"a": 1.0, "b": 1.0}, slots=1)
+    assert info["bound"] == 20 and gap > 4
+    # Alternating claims keep within it, and a weight-2 tenant claiming twice as often gets twice the tokens.
+    rows = [Row("a" if i % 3 == 0 else "b", 0, claimed=1 + i, ended=0, cost=10, used=10) for i in range(30)]
+    share, gap, info = weighted_service(rows, {"a": 1.0, "b": 2.0}, slots=1)
+    assert share == pytest.approx(2, rel=0.1) and gap <= 1
