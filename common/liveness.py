@@ -80,15 +80,17 @@ class WorkerState(NamedTuple):
 _LOADED = getattr(Worker, "models_loaded", None)
 
 
-def worker_states(session: Session, lease_seconds: float) -> list[WorkerState]:
-    """Every worker that did not stop, by id: one query of the workers table, no scan of anything else."""
+def worker_states(session: Session, lease_seconds: float, lost_for: float | None = None) -> list[WorkerState]:
+    """Every worker that did not stop, by id: one query of the workers table, no scan of anything else.
+    ``lost_for``: leave out workers whose last heartbeat is older than this (long gone)."""
+    recent = () if lost_for is None else (Worker.heartbeat_at > db_now() - lost_for,)
     columns = [Worker.id, Worker.model, alive(lease_seconds), Worker.running, Worker.state, Worker.ready,
                Worker.tokens_per_second, expired(lease_seconds)]
     if _LOADED is not None:
         columns.append(_LOADED)
     out = []
     for wid, model, up, running, state, ready, rate, lost, *loaded in session.execute(
-            select(*columns).where(Worker.stopped_at.is_(None)).order_by(Worker.id)):
+            select(*columns).where(Worker.stopped_at.is_(None), *recent).order_by(Worker.id)):
         state = "lost" if lost else state or ("ready" if ready else "loading")
         out.append(WorkerState(wid, model, bool(up), running or 0, state, rate or 0.0,
                                _model_ids(loaded[0] if loaded else None, model)))

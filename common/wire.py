@@ -250,7 +250,8 @@ WorkerStateName = Literal["ready", "loading", "reloading", "draining", "lost"]
 
 class WorkerStates(Shape):
     """Workers by state: ready (claiming work), loading (its first engine), reloading (a new engine after
-    the old one died), draining (stopping: it claims nothing more), lost (its lease expired)."""
+    the old one died), draining (stopping: it claims nothing more), lost (its lease expired, shown for an
+    hour)."""
     ready: Count = 0
     loading: Count = 0
     reloading: Count = 0

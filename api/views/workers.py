@@ -12,6 +12,7 @@ from common import wire
 from common.liveness import worker_states
 
 bp = Blueprint("workers", __name__, url_prefix=wire.API)
+LOST_SHOWN_SECONDS = 3600  # a worker that stopped heartbeating is shown as lost for an hour, then left out
 
 
 @bp.get("/workers")
@@ -19,5 +20,5 @@ bp = Blueprint("workers", __name__, url_prefix=wire.API)
 def list_workers():
     svc = services()
     with svc.sessions() as session:
-        states = worker_states(session, svc.settings.lease_seconds)
+        states = worker_states(session, svc.settings.lease_seconds, lost_for=LOST_SHOWN_SECONDS)
     return worker_list(states, each="admin" in g.identity.scopes).wire()

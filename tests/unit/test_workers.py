@@ -60,8 +60,10 @@ def _seed(unit, model: str) -> None:
                            tokens_per_second=12.345, boot=True)
         liveness.heartbeat(session, f"{model}-1", model, now, running=0, ready=False, state="reloading",
                            boot=True)
-        session.add_all([Worker(id=f"{model}-2", model=model, heartbeat_at=now - 3600, started_at=now - 7200,
+        session.add_all([Worker(id=f"{model}-2", model=model, heartbeat_at=now - 60, started_at=now - 7200,
                                 running=1, state="ready", tokens_per_second=99.0),  # its lease expired
+                         Worker(id=f"{model}-4", model=model, heartbeat_at=now - 7200, started_at=now - 9000,
+                                running=0, state="ready"),  # long gone: left out
                          Worker(id=f"{model}-3", model=model, heartbeat_at=now, started_at=now, running=0,
                                 stopped_at=now)])
         session.commit()
