@@ -45,12 +45,12 @@ class WorkerContext:
     draining: threading.Event = field(default_factory=threading.Event)   # SIGTERM: claim nothing more
     engine_ok: threading.Event = field(default_factory=threading.Event)  # the engine can take requests
     attempts: dict[str, Inflight] = field(default_factory=dict)         # response id -> attempt
+    tokens: TokenRate = field(default_factory=TokenRate)  # generated tokens, for the heartbeat's rate
     lock: threading.Lock = field(default_factory=threading.Lock)
     new_engine: Callable[[], object] | None = None  # loads a fresh engine (after the old one died)
     engine_lost_at: float | None = None  # monotonic time the engine was found dead (until a new one loads)
     db_ok_since: float | None = None    # monotonic time of the first heartbeat after a database outage
     orphans: set = field(default_factory=set)  # own tasks seen not running at the last sweep
-    tokens: TokenRate = field(default_factory=TokenRate)  # generated tokens, for the heartbeat's rate
     _broker_run_id: str | None = None
     _broker_client: "redis.Redis | None" = None
 
