@@ -9,6 +9,7 @@ const TERMINAL = ["succeeded", "failed", "cancelled"];
 const $ = (sel) => document.querySelector(sel);
 
 const POLL_MS = 2000;  // the home page's refresh while the tab is visible (the list's 304s cost no body)
+const POLL_TIMEOUT_MS = 10000;  // a poll that hangs is given up, so the next one is not held back
 
 let nextCursor = null;
 let listTag = null;   // the task list's ETag: a poll of an unchanged list answers 304
@@ -24,8 +25,8 @@ function randomKey() {
   return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
-// `etag`: sent as If-None-Match; a 304 answers null. The answer's ETag goes to `onTag`.
-async function api(method, path, body, { etag, onTag } = {}) {
+// `etag`: sent as If-None-Match; a 304 answers null. The answer's ETag goes to `onTag`. `timeout`: ms.
+async function api(method, path, body, { etag, onTag, timeout } = {}) {
   const headers = { Authorization: `Bearer ${token()}`, "LMSP-Version": "1.0" };
   if (body !== undefined) {
     headers["Content-Type"] = "application/json";
@@ -34,7 +35,8 @@ async function api(method, path, body, { etag, onTag } = {}) {
   if (etag) headers["If-None-Match"] = etag;
   let resp;
   try {
-    resp = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+    resp = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+                               signal: timeout ? AbortSignal.timeout(timeout) : undefined });
   } catch (exc) {
     throw Object.assign(new Error("Cannot reach the service; is it running?"), { status: 0 });
   }
@@ -168,7 +170,7 @@ async function refreshHome() {
 }
 
 async function loadModels() {
-  const { data } = await api("GET", `${API}/models`);
+  const { data } = await api("GET", `${API}/models`, undefined, { timeout: POLL_TIMEOUT_MS });
   const body = $("#models tbody");
   body.replaceChildren();
   for (const m of data) {
@@ -195,7 +197,7 @@ async function loadTasks(more) {
   if (more && nextCursor) params.set("cursor", nextCursor);
   let tag = null;
   const page = await api("GET", `${API}/tasks?${params}`, undefined,
-                         { etag: more ? null : listTag, onTag: (t) => { tag = t; } });
+                         { etag: more ? null : listTag, onTag: (t) => { tag = t; }, timeout: POLL_TIMEOUT_MS });
   if (page === null) return tickDurations();  // 304: nothing came, went or changed state
   if (!more) listTag = tag;
   const rows = page.data.map(taskRow);
@@ -247,7 +249,7 @@ function rate(x) { return `${x.toFixed(1)} tok/s`; }
 
 // Each worker for a token with scope admin; per model for others (the api leaves `data` out).
 async function loadWorkers() {
-  const list = await api("GET", `${API}/workers`);
+  const list = await api("GET", `${API}/workers`, undefined, { timeout: POLL_TIMEOUT_MS });
   $("#workers-total").textContent = `${list.running} running · ${rate(list.tokens_per_second)}`;
   const head = $("#workers thead tr");
   const body = $("#workers tbody");
