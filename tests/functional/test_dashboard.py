@@ -273,7 +273,8 @@ def test_dashboard_live_list_workers_panel_and_timeline(browser, site, api, stac
 
     # an unchanged list costs a 304 every couple of seconds, and a hidden tab asks nothing
     before = len(polls)
-    wait_for(lambda: len(polls) >= before + 3, 20, "the unchanged list is not polled")
+    # Playwright's sync API hands events to Python only inside its calls: the predicate makes one
+    wait_for(lambda: page.wait_for_timeout(100) or len(polls) >= before + 3, 20, "the unchanged list is not polled")
     quiet = polls[before:before + 3]
     assert [r.response().status for r in quiet] == [304] * 3
     starts = [r.timing["startTime"] for r in quiet]
