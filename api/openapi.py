@@ -32,7 +32,7 @@ def ref(name: str, kind: str = "schemas") -> dict:
 
 # -- schemas ------------------------------------------------------------------------------------
 REQUESTS = (ResponseRequest, TaskRequest)
-ANSWERS = (wire.Problem, wire.Response, wire.Task, wire.TaskList, wire.StreamTicket, wire.Model, wire.ModelList, wire.Discovery, wire.Health,
+ANSWERS = (wire.Problem, wire.Response, wire.Task, wire.TaskList, wire.StreamTicket, wire.Model, wire.ModelList, wire.WorkerList, wire.Discovery, wire.Health,
            wire.Readiness, wire.WebSocketFrame, *dict.fromkeys(wire.EVENTS.values()))
 
 
@@ -88,7 +88,8 @@ PARAMETERS = {
                             "was) or after this many seconds (at most LMSP_MAX_TASK_WAIT_SECONDS)",
              "schema": {"type": "number", "minimum": 0}},
     "IfNoneMatch": {"name": "If-None-Match", "in": "header", "required": False,
-                    "description": "The ETag of the task the client has: 304 while it still holds",
+                    "description": "The ETag of the task (or page of tasks) the client has: 304 while it "
+                                   "still holds",
                     "schema": {"type": "string"}},
     "LastEventId": {"name": "Last-Event-ID", "in": "header", "required": False,
                     "description": "The last event id received; used when `after` is absent",
@@ -101,7 +102,7 @@ HEADERS = {
     "RetryAfter": {"description": "Seconds to wait before retrying", "schema": {"type": "integer", "minimum": 0}},
     "WWWAuthenticate": {"description": "Bearer challenge", "schema": {"type": "string"}},
     "Location": {"description": "Path of the created task", "schema": {"type": "string"}},
-    "ETag": {"description": "Changes whenever the task does", "schema": {"type": "string"}},
+    "ETag": {"description": "Changes whenever the task (or the page of tasks) does", "schema": {"type": "string"}},
 }
 
 TITLES = {400: "Bad request", 401: "Unauthorized", 403: "Forbidden", 404: "Not found", 409: "Conflict",
@@ -206,6 +207,14 @@ def _paths() -> dict:
             "getModel", "One model", "models", "models:read",
             {"200": json_response("The model", "Model"), **errors((404, "model_not_found"))},
             params=["ModelId"])},
+        f"{API}/workers": {"get": operation(
+            "listWorkers", "The workers: state, running requests, tokens per second, models loaded (an "
+            "extension of LMSP 1.0)", "models", "models:read",
+            {"200": json_response("Per model and in total; each worker with scope admin", "WorkerList"),
+             **errors()},
+            description="Read from the workers' last heartbeats. Every token sees the figures per model "
+                        "and in total; `data`, each worker by id, is there only for a token with scope "
+                        "admin (worker ids name hosts).")},
         f"{API}/responses": {"post": operation(
             "createResponse", "Generate a response, synchronously or as a stream", "responses",
             "responses:write",
@@ -253,9 +262,13 @@ def _paths() -> dict:
             params=["TaskId"])},
         f"{API}/tasks": {"get": operation(
             "listTasks", "The principal's tasks, newest first, by cursor (an extension of LMSP 1.0)", "tasks",
-            "tasks:read", {"200": json_response("A page of tasks", "TaskList"),
+            "tasks:read", {"200": json_response("A page of tasks", "TaskList", "ETag"),
+                           "304": {"description": "The page still matches If-None-Match: no task on it came, "
+                                                  "went or changed state", "headers": _headers("ETag")},
                            **errors((400, "invalid_request", "A bad state, limit or cursor"))},
-            params=["State", "Limit", "Cursor"]), "post": operation(
+            description="A client that polls the list sends the ETag it has as If-None-Match; an unchanged "
+                        "page answers 304 without a body.",
+            params=["State", "Limit", "Cursor", "IfNoneMatch"]), "post": operation(
             "createTask", "Create a durable task (persisted before the answer)", "tasks", "tasks:write",
             {"202": json_response("The task, queued; replayed in its current state for a repeated "
                                   "Idempotency-Key", "Task", "Location"),

@@ -6,6 +6,8 @@ A worker is *alive* while its heartbeat is younger than the lease, it did not st
 ready to take work; its lease has *expired* once its heartbeat is older than the lease.
 """
 
+from typing import NamedTuple
+
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
 
@@ -29,11 +31,14 @@ class Replaced(Exception):
 
 
 def heartbeat(session: Session, worker_id: str, model: str, started_at: float, *, running: int, ready: bool,
-              stopped: bool = False, boot: bool = False) -> None:
+              state: str | None = None, tokens_per_second: float = 0.0, stopped: bool = False,
+              boot: bool = False) -> None:
     """``boot``: this process (``started_at``) takes the id; every later heartbeat is conditional on
-    it still holding it, and raises Replaced once another process took the id over."""
+    it still holding it, and raises Replaced once another process took the id over. ``state`` and
+    ``tokens_per_second``: what the workers panel shows (worker/context.py's ``state``, worker/rate.py)."""
     values = {"heartbeat_at": db_now(), "model": model, "running": running, "ready": ready and not stopped,
-              "stopped_at": db_now() if stopped else None}
+              "stopped_at": db_now() if stopped else None, "state": state,
+              "tokens_per_second": round(tokens_per_second, 2)}
     mine = () if boot else (Worker.started_at == started_at,)
     if session.execute(update(Worker).where(Worker.id == worker_id, *mine).values(
             **values, started_at=started_at)).rowcount:
@@ -60,10 +65,46 @@ def live_workers(session: Session, lease_seconds: float, started_since: float | 
     return dict(rows.all())
 
 
-def worker_states(session: Session, lease_seconds: float) -> list[tuple[str, str, bool, int]]:
-    """(id, model, alive, engine requests at its last heartbeat) of every worker that did not stop."""
-    return [tuple(row) for row in session.execute(select(
-        Worker.id, Worker.model, alive(lease_seconds), Worker.running).where(Worker.stopped_at.is_(None)))]
+class WorkerState(NamedTuple):
+    id: str
+    model: str
+    alive: bool
+    running: int  # engine requests in flight at its last heartbeat
+    state: str  # ready | loading | reloading | draining as it reported; lost once its lease expired
+    tokens_per_second: float
+    models_loaded: list[str]
+
+
+# Written by workers that serve a set of models (issue 24, part 3); until that column exists, or while
+# a worker leaves it empty, a worker has its one model loaded.
+_LOADED = getattr(Worker, "models_loaded", None)
+
+
+def worker_states(session: Session, lease_seconds: float, lost_for: float | None = None) -> list[WorkerState]:
+    """Every worker that did not stop, by id: one query of the workers table, no scan of anything else.
+    ``lost_for``: leave out workers whose last heartbeat is older than this (long gone)."""
+    recent = () if lost_for is None else (Worker.heartbeat_at > db_now() - lost_for,)
+    columns = [Worker.id, Worker.model, alive(lease_seconds), Worker.running, Worker.state, Worker.ready,
+               Worker.tokens_per_second, expired(lease_seconds)]
+    if _LOADED is not None:
+        columns.append(_LOADED)
+    out = []
+    for wid, model, up, running, state, ready, rate, lost, *loaded in session.execute(
+            select(*columns).where(Worker.stopped_at.is_(None), *recent).order_by(Worker.id)):
+        state = "lost" if lost else state or ("ready" if ready else "loading")
+        out.append(WorkerState(wid, model, bool(up), running or 0, state, rate or 0.0,
+                               _model_ids(loaded[0] if loaded else None, model)))
+    return out
+
+
+def _model_ids(loaded, model: str) -> list[str]:
+    """``models_loaded`` read defensively: a list of ids (or of objects naming one), or a mapping by id."""
+    if loaded is None:
+        return [model]
+    if isinstance(loaded, dict):
+        return sorted(loaded)
+    return [m if isinstance(m, str) else m.get("id") or m.get("model") for m in loaded
+            if isinstance(m, str) or isinstance(m, dict) and (m.get("id") or m.get("model"))]
 
 
 def expired_workers(session: Session, lease_seconds: float, me: str) -> list[str]:

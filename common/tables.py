@@ -94,6 +94,7 @@ class Task(Base):
         Index("ix_tasks_status_model", "status", "model"),
         Index("ix_tasks_worker_status", "worker_id", "status"),
         Index("ix_tasks_principal_status", "principal_id", "status"),  # the per-principal queue limit
+        Index("ix_tasks_principal_newest", "principal_id", "id"),  # a principal's list, newest first (polled)
         Index("ix_tasks_ended", "ended_at"),                              # record retention
         _partial("ix_tasks_unowned", "model", "dispatched_at", where=UNOWNED),  # broker re-sends
         _partial("ix_tasks_fair", "model", "virtual_finish", "id", where="status = 'queued'"),  # the claim's order
@@ -182,3 +183,5 @@ class Worker(Base):
     stopped_at: Mapped[float | None] = mapped_column(Float)
     running: Mapped[int] = mapped_column(Integer, default=0)  # engine requests in flight at the last heartbeat
     ready: Mapped[bool] = mapped_column(Boolean, default=True)  # engine loaded and claiming
+    state: Mapped[str | None] = mapped_column(String(20))  # ready | loading | reloading | draining
+    tokens_per_second: Mapped[float | None] = mapped_column(Float)  # generated, over the last seconds

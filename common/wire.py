@@ -245,6 +245,55 @@ class ModelList(Shape):
     data: list[Model]
 
 
+WorkerStateName = Literal["ready", "loading", "reloading", "draining", "lost"]
+
+
+class WorkerStates(Shape):
+    """Workers by state: ready (claiming work), loading (its first engine), reloading (a new engine after
+    the old one died), draining (stopping: it claims nothing more), lost (its lease expired, shown for an
+    hour)."""
+    ready: Count = 0
+    loading: Count = 0
+    reloading: Count = 0
+    draining: Count = 0
+    lost: Count = 0
+
+
+class ModelWorkers(Shape):
+    model: str = Field(examples=["qwen3:14b-q4_k_m"])
+    workers: WorkerStates = Field(description="The workers serving the model, by state")
+    loaded_on: Count = Field(description="Workers that are not lost with the model loaded")
+
+
+class WorkerInfo(Shape):
+    """One worker process as of its last heartbeat."""
+    id: str = Field(description="LMSP_WORKER_ID", examples=["gpu-node-3-0"])
+    object: Literal["worker"] = "worker"
+    model: str = Field(description="The model it serves")
+    models_loaded: list[str] = Field(description="The models in its engine's memory now")
+    state: WorkerStateName
+    running: Count = Field(description="Engine requests in flight at its last heartbeat")
+    tokens_per_second: float = Field(ge=0, description="Output tokens it generated per second over the "
+                                                       "last 10 seconds")
+
+
+def _data_optional(schema: dict) -> None:
+    _absent_not_null(schema)
+    schema["required"] = [name for name in schema["required"] if name != "data"]
+
+
+class WorkerList(Shape):
+    """The workers: every token sees them per model and in total; one with scope admin sees each worker
+    (an extension of LMSP 1.0)."""
+    model_config = ConfigDict(**Shape.model_config, json_schema_extra=_data_optional)
+    object: Literal["list"] = "list"
+    running: Count = Field(description="Engine requests in flight on all workers")
+    tokens_per_second: float = Field(ge=0, description="Output tokens per second of all workers, last 10 s")
+    models: list[ModelWorkers]
+    data: list[WorkerInfo] | SkipJsonSchema[None] = Field(
+        None, exclude_if=lambda value: value is None, description="Each worker; present for scope admin")
+
+
 class Paths(Shape):
     models: str = f"{API}/models"
     responses: str = f"{API}/responses"

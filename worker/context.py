@@ -15,6 +15,7 @@ from common.db import transact_retrying
 from common.lifecycle import Attempt
 from common.registry import ModelSpec
 from common.settings import Settings
+from worker.rate import TokenRate
 
 log = logging.getLogger("lmsp.worker")
 
@@ -44,6 +45,7 @@ class WorkerContext:
     draining: threading.Event = field(default_factory=threading.Event)   # SIGTERM: claim nothing more
     engine_ok: threading.Event = field(default_factory=threading.Event)  # the engine can take requests
     attempts: dict[str, Inflight] = field(default_factory=dict)         # response id -> attempt
+    tokens: TokenRate = field(default_factory=TokenRate)  # generated tokens, for the heartbeat's rate
     lock: threading.Lock = field(default_factory=threading.Lock)
     new_engine: Callable[[], object] | None = None  # loads a fresh engine (after the old one died)
     engine_lost_at: float | None = None  # monotonic time the engine was found dead (until a new one loads)
@@ -83,6 +85,15 @@ class WorkerContext:
         """Engine loaded and claiming: what /models and the readiness probe report."""
         return self.engine_ok.is_set() and self.writer.alive and not (
             self.draining.is_set() or self.stopping.is_set() or self.engine.dead)
+
+    def state(self) -> str:
+        """What the workers panel shows: ready; loading (its first engine), reloading (a new engine after
+        the old one died) or draining (SIGTERM, or stopping)."""
+        if self.draining.is_set() or self.stopping.is_set():
+            return "draining"
+        if self.ready():
+            return "ready"
+        return "loading" if self.engine_lost_at is None else "reloading"
 
     def write(self, fn):
         """``fn(session)`` as one transaction, replayed while Postgres is unreachable (for as long as

@@ -164,7 +164,8 @@ def heartbeat(ctx: WorkerContext, stopped: bool = False, boot: bool = False) -> 
     try:
         with transaction(ctx.sessions) as session:
             liveness.heartbeat(session, ctx.worker_id, ctx.spec.id, ctx.started_at, running=ctx.engine.running(),
-                                ready=ctx.ready(), stopped=stopped, boot=boot)
+                                ready=ctx.ready(), state=ctx.state(), tokens_per_second=ctx.tokens.per_second(),
+                                stopped=stopped, boot=boot)
     except SQLAlchemyError:
         ctx.db_ok_since = None
         raise

@@ -139,6 +139,7 @@ class Job:
                         self.window_since = self.window_since if pending_tokens else time.time()
                         self.window_tokens = pending_tokens + delta.token_ids
                     output_tokens += delta.token_ids
+                    ctx.tokens.add(delta.token_ids)
                     pending += delta.text
                     pending_tokens += delta.token_ids
                     now = time.monotonic()

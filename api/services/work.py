@@ -5,6 +5,7 @@ Celery messages are sent only after the transaction commits. Statuses and
 events are written by ``common.lifecycle`` only.
 """
 
+import hashlib
 import time
 
 from sqlalchemy import select
@@ -184,14 +185,27 @@ def task_view(session: Session, task: Task, registry) -> dict:
                     attempts)
 
 
-def list_tasks_page(session: Session, registry, principal: str, states, limit: int, cursor: str | None) -> dict:
-    """A page of the principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages on."""
+def list_tasks_rows(session: Session, principal: str, states, limit: int, cursor: str | None) -> list[Task]:
+    """A page of the principal's tasks, newest first, and one more if there is one; ``cursor`` (the
+    last page's ``next_cursor``) pages on."""
     query = select(Task).where(Task.principal_id == principal)
     if states:
         query = query.where(Task.status.in_(states))
     if cursor is not None:
         query = query.where(Task.id < cursor)  # ids are ULIDs: they sort by creation time
-    rows = list(session.execute(query.order_by(Task.id.desc()).limit(limit + 1)).scalars())
+    return list(session.execute(query.order_by(Task.id.desc()).limit(limit + 1)).scalars())
+
+
+def page_etag(rows: list[Task]) -> str:
+    """A weak ETag's value that changes whenever the page would: a task comes or goes, or one changes
+    state (each transition sets updated_at, a new attempt its number). Compared before the page is
+    built, so a poll of an unchanged list costs one indexed query and no body (the dashboard polls it)."""
+    key = repr([(t.id, t.status, t.updated_at, t.attempt) for t in rows])
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def list_tasks_page(session: Session, registry, rows: list[Task], limit: int) -> dict:
+    """The page object of ``list_tasks_rows``' rows."""
     page = rows[:limit]
     done = [t.response_id for t in page if t.status == SUCCEEDED]
     responses = {r.id: r for r in session.execute(select(Response).where(Response.id.in_(done))).scalars()}

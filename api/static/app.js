@@ -8,7 +8,13 @@ const FINAL = ["response.completed", "response.incomplete", "response.failed", "
 const TERMINAL = ["succeeded", "failed", "cancelled"];
 const $ = (sel) => document.querySelector(sel);
 
+const POLL_MS = 2000;  // the home page's refresh while the tab is visible (the list's 304s cost no body)
+const POLL_TIMEOUT_MS = 10000;  // a poll that hangs is given up, so the next one is not held back
+
 let nextCursor = null;
+let listTag = null;   // the task list's ETag: a poll of an unchanged list answers 304
+let pollTimer = null;
+let pollRun = 0;      // the latest refresh: only it schedules the next (no two timers)
 let current = null;  // the task page's state: {id, task, source, last, chars, timer}
 
 // -- the API ---------------------------------------------------------------------------------------
@@ -19,18 +25,23 @@ function randomKey() {
   return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
-async function api(method, path, body) {
+// `etag`: sent as If-None-Match; a 304 answers null. The answer's ETag goes to `onTag`. `timeout`: ms.
+async function api(method, path, body, { etag, onTag, timeout } = {}) {
   const headers = { Authorization: `Bearer ${token()}`, "LMSP-Version": "1.0" };
   if (body !== undefined) {
     headers["Content-Type"] = "application/json";
     headers["Idempotency-Key"] = randomKey();
   }
+  if (etag) headers["If-None-Match"] = etag;
   let resp;
   try {
-    resp = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+    resp = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+                               signal: timeout ? AbortSignal.timeout(timeout) : undefined });
   } catch (exc) {
     throw Object.assign(new Error("Cannot reach the service; is it running?"), { status: 0 });
   }
+  if (onTag) onTag(resp.headers.get("ETag"));
+  if (resp.status === 304) return null;
   const data = await resp.json().catch(() => null);
   if (!resp.ok) {
     if (resp.status === 401 && path !== `${API}/models`) signOut("The token was refused; sign in again.");
@@ -73,6 +84,26 @@ function timelineBar(task) {
   }
   return bar;
 }
+function timelineLegend(task) {
+  const line = task.extensions && task.extensions["x-lmsp-timeline"];
+  const list = document.createElement("ul");
+  list.className = "legend";
+  if (!line || !line.durations) return list;
+  for (const phase of [...PHASES, "framework_overhead"]) {
+    if (!(line.durations[phase] > 0)) continue;
+    const item = document.createElement("li");
+    const swatch = document.createElement("span");
+    swatch.className = `swatch phase-${phase}`;
+    item.append(swatch, `${phase.replace("_", " ")} ${span(line.durations[phase])}`);
+    list.append(item);
+  }
+  return list;
+}
+function workerOf(task) {  // the worker of its latest attempt, from the timeline
+  const line = task.extensions && task.extensions["x-lmsp-timeline"];
+  const attempts = (line && line.attempts) || [];
+  return attempts.length ? `${attempts[attempts.length - 1].worker_id} (attempt ${attempts.length})` : "–";
+}
 function tokensOf(task) {
   const usage = task.response && task.response.usage;
   return usage ? String(usage.output_tokens) : "–";
@@ -101,6 +132,7 @@ function notice(text) {
 function show(page) {
   for (const id of ["signin-page", "home-page", "task-page"]) $(`#${id}`).hidden = id !== page;
   $("#signout").hidden = page === "signin-page";
+  if (page !== "home-page") clearTimeout(pollTimer);
 }
 
 function signOut(message) {
@@ -118,54 +150,143 @@ async function route() {
   const match = location.hash.match(/^#\/tasks\/([A-Za-z0-9_]+)$/);
   if (match) return openTask(match[1]);
   show("home-page");
-  await Promise.all([loadModels(), loadTasks(false)]).catch((exc) => notice(exc.message));
+  listTag = null;  // the table may be stale: the first read is unconditional
+  await refreshHome();
+}
+
+// -- the home page, live: tasks, models and workers, every POLL_MS while the tab is visible ----------
+async function refreshHome() {
+  clearTimeout(pollTimer);
+  const run = ++pollRun;
+  try {
+    await Promise.all([loadModels(), loadTasks(false), loadWorkers()]);
+    notice("");
+  } catch (exc) {
+    notice(exc.message);  // e.g. the service is down: keep trying at the same pace
+  }
+  if (run === pollRun && !$("#home-page").hidden && document.visibilityState === "visible" && token()) {
+    pollTimer = setTimeout(refreshHome, POLL_MS);
+  }
 }
 
 async function loadModels() {
-  const { data } = await api("GET", `${API}/models`);
+  const { data } = await api("GET", `${API}/models`, undefined, { timeout: POLL_TIMEOUT_MS });
   const body = $("#models tbody");
-  const select = $("#model");
-  const chosen = select.value;
   body.replaceChildren();
-  select.replaceChildren();
   for (const m of data) {
     const row = body.insertRow();
     cell(row, m.id);
     cell(row, m.status, m.status);
     cell(row, String(m.workers));
     cell(row, String(m.context_window));
-    select.add(new Option(`${m.id}${m.status === "ready" ? "" : " (unavailable)"}`, m.id));
   }
+  const select = $("#model");
+  const options = data.map((m) => new Option(`${m.id}${m.status === "ready" ? "" : " (unavailable)"}`, m.id));
+  if (options.map((o) => o.text).join("\n") === Array.from(select.options, (o) => o.text).join("\n")) return;
+  const chosen = select.value;  // rebuilt only when it changed: someone may be choosing
+  select.replaceChildren(...options);
   const ready = data.find((m) => m.status === "ready");
   select.value = data.some((m) => m.id === chosen) ? chosen : (ready || data[0] || {}).id || "";
 }
 
+// `more`: the next page, below. Otherwise the rows shown are read again (up to 100), only if changed.
 async function loadTasks(more) {
-  const params = new URLSearchParams({ limit: "20" });
-  if (more && nextCursor) params.set("cursor", nextCursor);
-  const page = await api("GET", `${API}/tasks?${params}`);
   const body = $("#tasks tbody");
-  if (!more) body.replaceChildren();
-  for (const task of page.data) {
-    const row = body.insertRow();
-    const link = document.createElement("a");
-    link.href = `#/tasks/${task.id}`;
-    link.textContent = task.id;
-    row.insertCell().append(link);
-    cell(row, task.status, task.status);
-    cell(row, tokensOf(task));
-    cell(row, duration(task));
-    cell(row, new Date(task.created_at * 1000).toLocaleString());
-    row.insertCell().append(timelineBar(task));
-  }
-  if (!more && !page.data.length) {
+  const shown = body.querySelectorAll("tr[data-id]").length;
+  const params = new URLSearchParams({ limit: String(more ? 20 : Math.min(100, Math.max(20, shown))) });
+  if (more && nextCursor) params.set("cursor", nextCursor);
+  let tag = null;
+  const page = await api("GET", `${API}/tasks?${params}`, undefined,
+                         { etag: more ? null : listTag, onTag: (t) => { tag = t; }, timeout: POLL_TIMEOUT_MS });
+  if (page === null) return tickDurations();  // 304: nothing came, went or changed state
+  if (!more) listTag = tag;
+  const rows = page.data.map(taskRow);
+  const offset = more ? shown : 0;
+  rows.forEach((row, i) => {  // in place: a row that stays keeps its node (and the focus in it)
+    if (body.rows[offset + i] !== row) body.insertBefore(row, body.rows[offset + i] || null);
+  });
+  if (!more && shown <= 100) while (body.rows.length > rows.length) body.deleteRow(-1);
+  if (!rows.length && !more) {
     const empty = body.insertRow().insertCell();
     empty.colSpan = 6;
     empty.className = "muted";
     empty.textContent = "No tasks yet: submit one above.";
   }
-  nextCursor = page.next_cursor;
-  $("#more").hidden = !page.has_more;
+  if (more || shown <= 100) {  // the page read covers every row shown: its cursor is the next page's
+    nextCursor = page.next_cursor;
+    $("#more").hidden = !page.has_more;
+  }
+}
+
+function taskRow(task) {
+  let row = $(`#tasks tbody tr[data-id="${task.id}"]`);
+  if (!row) {
+    row = document.createElement("tr");
+    row.dataset.id = task.id;
+    const link = document.createElement("a");
+    link.href = `#/tasks/${task.id}`;
+    link.textContent = task.id;
+    row.insertCell().append(link);
+    for (let i = 0; i < 5; i += 1) row.insertCell();
+  }
+  row.task = task;
+  const cells = row.cells;
+  cells[1].textContent = task.status;
+  cells[1].dataset.state = task.status;
+  cells[2].textContent = tokensOf(task);
+  cells[3].textContent = duration(task);
+  cells[4].textContent = new Date(task.created_at * 1000).toLocaleString();
+  cells[5].replaceChildren(timelineBar(task));
+  return row;
+}
+
+function tickDurations() {  // an unchanged list still has running tasks whose duration grows
+  for (const row of $("#tasks tbody").rows) if (row.task) row.cells[3].textContent = duration(row.task);
+}
+
+const WORKER_STATES = ["ready", "loading", "reloading", "draining", "lost"];
+function rate(x) { return `${x.toFixed(1)} tok/s`; }
+
+// Each worker for a token with scope admin; per model for others (the api leaves `data` out).
+async function loadWorkers() {
+  const list = await api("GET", `${API}/workers`, undefined, { timeout: POLL_TIMEOUT_MS });
+  $("#workers-total").textContent = `${list.running} running · ${rate(list.tokens_per_second)}`;
+  const head = $("#workers thead tr");
+  const body = $("#workers tbody");
+  body.replaceChildren();
+  if (list.data) {
+    head.replaceChildren(...["Worker", "Models loaded", "State", "Running", "Tokens/s"].map(th));
+    for (const w of list.data) {
+      const row = body.insertRow();
+      row.dataset.id = w.id;
+      cell(row, w.id);
+      cell(row, w.models_loaded.join(", ") || `– (serves ${w.model})`);
+      cell(row, w.state, w.state);
+      cell(row, String(w.running));
+      cell(row, rate(w.tokens_per_second));
+    }
+  } else {
+    head.replaceChildren(...["Model", "Workers", "Loaded on"].map(th));
+    for (const m of list.models) {
+      const row = body.insertRow();
+      row.dataset.model = m.model;
+      cell(row, m.model);
+      const counts = WORKER_STATES.filter((s) => m.workers[s]).map((s) => `${m.workers[s]} ${s}`);
+      cell(row, counts.join(", "), m.workers.ready ? "ready" : "unavailable");
+      cell(row, String(m.loaded_on));
+    }
+  }
+  if (!body.rows.length) {
+    const empty = body.insertRow().insertCell();
+    empty.colSpan = head.cells.length;
+    empty.className = "muted";
+    empty.textContent = "No worker is running.";
+  }
+}
+function th(text) {
+  const el = document.createElement("th");
+  el.textContent = text;
+  return el;
 }
 
 async function submitTask(event) {
@@ -196,7 +317,8 @@ function renderTask() {
                                         : `${current.chars} characters so far`;
   $("#task-elapsed").textContent = duration(task);
   const bar = timelineBar(task);
-  $("#task-timeline").replaceChildren(bar, document.createTextNode(bar.title || "–"));
+  $("#task-timeline").replaceChildren(bar, bar.title ? timelineLegend(task) : "–");
+  $("#task-worker").textContent = workerOf(task);
   $("#cancel").hidden = TERMINAL.includes(task.status) || task.status === "cancelling";
   if (task.error) $("#task-error").textContent = `${task.error.code}: ${task.error.detail}`;
 }
@@ -345,13 +467,16 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("#submit-form").requestSubmit();
   });
-  $("#refresh").addEventListener("click", () => Promise.all([loadModels(), loadTasks(false)])
-    .catch((exc) => notice(exc.message)));
+  $("#refresh").addEventListener("click", () => { listTag = null; refreshHome(); });
   $("#more").addEventListener("click", () => loadTasks(true).catch((exc) => notice(exc.message)));
   $("#cancel").addEventListener("click", cancelTask);
   document.addEventListener("keydown", (e) => {
     if (e.key === "Escape" && !$("#task-page").hidden) location.hash = "#/";
   });
   window.addEventListener("hashchange", route);
+  document.addEventListener("visibilitychange", () => {  // a hidden tab asks nothing; shown, it catches up
+    if (document.visibilityState === "visible" && !$("#home-page").hidden) refreshHome();
+    else clearTimeout(pollTimer);
+  });
   route();
 });

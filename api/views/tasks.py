@@ -15,7 +15,9 @@ from api.services.work import (
     cancel_task,
     get_task,
     list_tasks_page,
+    list_tasks_rows,
     new_task,
+    page_etag,
     send_task,
     task_view,
 )
@@ -164,10 +166,16 @@ def _list_query() -> tuple[list[str], int, str | None]:
 @bp.get("")
 @require("tasks:read")
 def list_tasks():
-    """The principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages on."""
+    """The principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages on;
+    304 while the page still matches If-None-Match."""
     states, limit, cursor = _list_query()
     with services().sessions() as session:
-        return list_tasks_page(session, services().registry, principal(), states, limit, cursor)
+        rows = list_tasks_rows(session, principal(), states, limit, cursor)
+        tag = page_etag(rows)
+        if request.if_none_match.contains_weak(tag):
+            return Response(status=304, headers={"ETag": f'W/"{tag}"'})
+        doc = list_tasks_page(session, services().registry, rows, limit)
+    return Response(json.dumps(doc), mimetype="application/json", headers={"ETag": f'W/"{tag}"'})
 
 
 @bp.post("/<task_id>/events/ticket")

@@ -8,6 +8,8 @@ import re
 import shutil
 import socket
 import threading
+import uuid
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,11 @@ def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, model_id)
     page.press("#token", "Enter")
     page.wait_for_selector("#home-page:not([hidden])")
     page.wait_for_selector(f"#models tbody tr:has-text('{model_id}') td[data-state=ready]")
+    # without scope admin the workers panel is per model (worker ids name hosts)
+    page.wait_for_selector(f"#workers tbody tr[data-model='{model_id}']")
+    assert re.fullmatch(r"[1-9]\d* ready.*", page.locator(f"#workers tbody tr[data-model='{model_id}'] td")
+                        .nth(1).inner_text())
+    assert page.locator("#workers thead th").all_inner_texts() == ["Model", "Workers", "Loaded on"]
     assert page.evaluate("sessionStorage.getItem('lmsp-token')") == token
     assert page.evaluate("localStorage.length") == 0
     page.screenshot(path=str(SHOTS / "2-home.png"), full_page=True)
@@ -194,5 +201,98 @@ def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, model_id)
     page.wait_for_selector(f"#tasks tbody tr:has-text('{task_id}')")
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
     page.screenshot(path=str(SHOTS / "6-phone.png"), full_page=True)
+    assert errors == []
+    page.close()
+
+
+def _list_polls(page) -> list:
+    """The task list's requests, as they are sent."""
+    seen = []
+    page.on("request", lambda r: seen.append(r) if re.search(r"/lmsp/v1/tasks\?", r.url) else None)
+    return seen
+
+
+def _row_state(page, task_id: str) -> str | None:
+    row = page.locator(f"#tasks tbody tr[data-id='{task_id}'] td[data-state]")
+    return row.get_attribute("data-state") if row.count() else None
+
+
+def _set_visible(page, visible: bool) -> None:
+    """What a hidden tab sees (headless Chromium's pages are always visible)."""
+    page.evaluate("""(visible) => {
+        Object.defineProperty(document, "visibilityState", {value: visible ? "visible" : "hidden",
+                                                            configurable: true});
+        document.dispatchEvent(new Event("visibilitychange"));
+    }""", visible)
+
+
+def test_dashboard_live_list_workers_panel_and_timeline(browser, site, api, stack, model_id):
+    """Without a click: another client's tasks appear, their states move, the workers panel shows the
+    live worker, its model and its rate; a finished task's timeline is drawn; a hidden tab asks nothing."""
+    proxy, _, _ = site
+    admin = stack.token("watcher", scopes="models:read,tasks:read,tasks:write,tasks:cancel,admin")
+    other = Client(api, stack.token("watcher"))  # the same principal, another token
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    polls = _list_polls(page)
+    page.goto(proxy.url + "/")
+    page.fill("#token", admin)
+    page.press("#token", "Enter")
+    page.wait_for_selector("#home-page:not([hidden])")
+
+    # scope admin: each worker, its model loaded, its state
+    worker = page.locator(f"#workers tbody tr[data-id='test-{model_id}']")
+    worker.wait_for()
+    assert worker.locator("td").all_inner_texts()[1:3] == [model_id, "ready"]
+
+    def create(text: str, tokens: int) -> str:
+        body = {"type": "response", "input": {"model": model_id, "max_output_tokens": tokens, "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]}}
+        resp = other.post("/lmsp/v1/tasks", body, headers={"Idempotency-Key": uuid.uuid4().hex})
+        assert resp.status_code == 202, resp.text
+        return resp.json()["id"]
+
+    # a long task from the other client shows up, then runs; the panel shows its rate
+    long_id = create("Write a very long essay on the history of tea.", 1000)
+    wait_for(lambda: _row_state(page, long_id) is not None, 15, "another client's task did not appear")
+    wait_for(lambda: _row_state(page, long_id) == "running", 60, "the task's state did not move to running")
+    wait_for(lambda: float(worker.locator("td").nth(4).inner_text().split()[0]) > 0, 15, "no tokens/s shown")
+    assert int(worker.locator("td").nth(3).inner_text()) >= 1
+    short_id = create("Say hello.", 8)
+    wait_for(lambda: _row_state(page, short_id) == "succeeded", 60, "a finished task did not show it")
+    assert other.post(f"/lmsp/v1/tasks/{long_id}/cancel").status_code == 200
+    wait_for(lambda: _row_state(page, long_id) == "cancelled", 15, "the cancellation did not show")
+
+    # the finished task's timeline: a bar of phases, as wide as its wall time
+    bar = page.locator(f"#tasks tbody tr[data-id='{short_id}'] .timeline")
+    label = bar.get_attribute("aria-label")
+    assert "decode" in label and "framework" in label
+    widths = [float(w) for w in bar.locator("span").evaluate_all("(s) => s.map((e) => parseFloat(e.style.width))")]
+    assert widths and abs(sum(widths) - 100) < 0.5
+
+    # an unchanged list costs a 304 every couple of seconds, and a hidden tab asks nothing
+    before = len(polls)
+    # Playwright's sync API hands events to Python only inside its calls: the predicate makes one
+    wait_for(lambda: page.wait_for_timeout(100) or len(polls) >= before + 3, 20, "the unchanged list is not polled")
+    quiet = polls[before:before + 3]
+    assert [r.response().status for r in quiet] == [304] * 3
+    starts = [r.timing["startTime"] for r in quiet]
+    assert all(later - first >= 1900 for first, later in pairwise(starts)), starts
+    _set_visible(page, False)
+    hidden_at = len(polls)
+    unseen_id = create("Say yes.", 4)
+    page.wait_for_timeout(4000)
+    assert len(polls) == hidden_at and _row_state(page, unseen_id) is None
+    _set_visible(page, True)
+    wait_for(lambda: _row_state(page, unseen_id) is not None, 10, "the shown tab did not catch up")
+    page.screenshot(path=str(SHOTS / "7-live-list-workers.png"), full_page=True)
+
+    # the task view: the timeline's phases named, and who ran it
+    page.locator(f"#tasks tbody tr[data-id='{short_id}'] a").click()
+    page.wait_for_selector("#task-state[data-state=succeeded]")
+    assert any(t.startswith("decode ") for t in page.locator("#task-timeline .legend li").all_inner_texts())
+    assert page.inner_text("#task-worker") == f"test-{model_id} (attempt 1)"
+    page.screenshot(path=str(SHOTS / "8-task-timeline.png"), full_page=True)
     assert errors == []
     page.close()
