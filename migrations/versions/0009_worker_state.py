@@ -3,7 +3,7 @@ generated tokens per second), both written with each heartbeat, for the dashboar
 an index for a principal's task list newest first, which the dashboard polls
 
 Revision ID: 0009
-Revises: 0006
+Revises: 0007
 Create Date: 2026-12-01
 """
 import sqlalchemy as sa
