@@ -6,7 +6,9 @@ A worker is *alive* while its heartbeat is younger than the lease, it did not st
 ready to take work; its lease has *expired* once its heartbeat is older than the lease.
 """
 
-from sqlalchemy import and_, func, select, update
+from typing import NamedTuple
+
+from sqlalchemy import and_, select, update
 from sqlalchemy.orm import Session
 
 from common.db import db_now
@@ -28,11 +30,13 @@ class Replaced(Exception):
     """Another process booted with this worker id after this one: this one must stop."""
 
 
-def heartbeat(session: Session, worker_id: str, model: str, started_at: float, *, running: int, ready: bool,
-              stopped: bool = False, boot: bool = False) -> None:
-    """``boot``: this process (``started_at``) takes the id; every later heartbeat is conditional on
+def heartbeat(session: Session, worker_id: str, models: list[str], started_at: float, *, running: int, ready: bool,
+              loaded: list[str], stopped: bool = False, boot: bool = False) -> None:
+    """``models``: the ones the worker serves (the first is its ``model``), ``loaded``: those loaded now.
+    ``boot``: this process (``started_at``) takes the id; every later heartbeat is conditional on
     it still holding it, and raises Replaced once another process took the id over."""
-    values = {"heartbeat_at": db_now(), "model": model, "running": running, "ready": ready and not stopped,
+    values = {"heartbeat_at": db_now(), "model": models[0], "models": models if len(models) > 1 else None,
+              "models_loaded": loaded, "running": running, "ready": ready and not stopped,
               "stopped_at": db_now() if stopped else None}
     mine = () if boot else (Worker.started_at == started_at,)
     if session.execute(update(Worker).where(Worker.id == worker_id, *mine).values(
@@ -52,18 +56,41 @@ def heartbeat_of(session: Session, worker_id: str) -> tuple[float, float] | None
 
 
 def live_workers(session: Session, lease_seconds: float, started_since: float | None = None) -> dict[str, int]:
-    """Workers per model alive now; ``started_since``: only processes that took their id at or after
-    this time."""
+    """Live workers per model they serve, loaded or not (a worker of several models loads one when work
+    for it comes); ``started_since``: only processes that took their id at or after this time."""
     since = () if started_since is None else (Worker.started_at >= started_since,)
-    rows = session.execute(select(Worker.model, func.count()).where(alive(lease_seconds), *since)
-                           .group_by(Worker.model))
-    return dict(rows.all())
+    counts: dict[str, int] = {}
+    for model, models in session.execute(select(Worker.model, Worker.models).where(alive(lease_seconds), *since)):
+        for served in models or [model]:
+            counts[served] = counts.get(served, 0) + 1
+    return counts
 
 
-def worker_states(session: Session, lease_seconds: float) -> list[tuple[str, str, bool, int]]:
-    """(id, model, alive, engine requests at its last heartbeat) of every worker that did not stop."""
-    return [tuple(row) for row in session.execute(select(
-        Worker.id, Worker.model, alive(lease_seconds), Worker.running).where(Worker.stopped_at.is_(None)))]
+def loaded_on(session: Session, lease_seconds: float) -> dict[str, list[str]]:
+    """The live workers that have each model loaded now (as of their last heartbeat), by id."""
+    where: dict[str, list[str]] = {}
+    for worker_id, loaded in session.execute(select(Worker.id, Worker.models_loaded).where(alive(lease_seconds))
+                                             .order_by(Worker.id)):
+        for model in loaded or ():
+            where.setdefault(model, []).append(worker_id)
+    return where
+
+
+class WorkerState(NamedTuple):
+    id: str
+    model: str                # the first it serves
+    alive: bool
+    running: int              # engine requests at its last heartbeat
+    models: list[str]         # every model it serves
+    models_loaded: list[str]  # those loaded at its last heartbeat
+
+
+def worker_states(session: Session, lease_seconds: float) -> list[WorkerState]:
+    """Every worker that did not stop."""
+    return [WorkerState(wid, model, alive_, running, models or [model], loaded or [])
+            for wid, model, alive_, running, models, loaded in session.execute(select(
+                Worker.id, Worker.model, alive(lease_seconds), Worker.running, Worker.models, Worker.models_loaded)
+                .where(Worker.stopped_at.is_(None)))]
 
 
 def expired_workers(session: Session, lease_seconds: float, me: str) -> list[str]:

@@ -166,3 +166,7 @@ class Worker(Base):
     stopped_at: Mapped[float | None] = mapped_column(Float)
     running: Mapped[int] = mapped_column(Integer, default=0)  # engine requests in flight at the last heartbeat
     ready: Mapped[bool] = mapped_column(Boolean, default=True)  # engine loaded and claiming
+    # A worker of several models (worker/residency.py): the ones it serves (None: just ``model``), and
+    # the ones loaded at its last heartbeat (ids, in the order it serves them).
+    models: Mapped[list | None] = mapped_column(JSON)
+    models_loaded: Mapped[list | None] = mapped_column(JSON)

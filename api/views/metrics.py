@@ -45,9 +45,9 @@ class ServiceFigures:
             workers = liveness.worker_states(session, self.svc.settings.lease_seconds)
         for model, count in depth.items():
             queue.add_metric([model], count)
-        for worker, model, alive, in_flight in workers:
-            up.add_metric([worker, model], int(alive))
-            running.add_metric([worker, model], in_flight)
+        for worker in workers:
+            up.add_metric([worker.id, worker.model], int(worker.alive))
+            running.add_metric([worker.id, worker.model], worker.running)
         return [tasks, queue, up, running]
 
 
