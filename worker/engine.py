@@ -20,8 +20,15 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from common.prompt import load_tokenizer
 from common.registry import EngineSettings
 from worker.gate import Delta, GatedHost, GenParams, Request
-from worker.procs import ENGINE_TAG_ENV, _descendants, _pin_process, engine_processes, kill, vllm_process_prefix,
-                          wait_gone
+from worker.procs import (
+    ENGINE_TAG_ENV,
+    _descendants,
+    _pin_process,
+    engine_processes,
+    kill,
+    vllm_process_prefix,
+    wait_gone,
+)
 
 __all__ = ["Delta", "EngineHost", "GenParams"]
 
@@ -184,11 +191,13 @@ class EngineHost(GatedHost):
         return load_tokenizer(self._checkpoint)
 
     def shutdown(self) -> None:
-        super().shutdown()
-        # A worker of several models unloads engines while it runs: whatever vLLM's shutdown left (a
-        # worker process of a core that had to be killed) must not hold the memory the next model needs.
-        kill(self._pids)
-        wait_gone(self._pids)
+        try:
+            super().shutdown()
+        finally:
+            # A worker of several models unloads engines while it runs: whatever vLLM's shutdown left (a
+            # worker process of a core that had to be killed) must not hold the memory the next model needs.
+            kill(self._pids)
+            wait_gone(self._pids)
         if self._pinned:  # the engine is gone: its CPUs are this process's again
             _pin_process(set(self._settings.cpus))
             self._pinned = False

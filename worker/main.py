@@ -67,13 +67,13 @@ def _spec(registry: Registry, model_id: str, tensor_parallel: int) -> tuple[Mode
 
 
 def _slot(spec: ModelSpec, checkpoint: str, machine, tag: str, pin: bool) -> Slot:
-    if spec.engine_kind == "sim":  # never imports vLLM: dozens of simulated GPUs fit on one machine
-        from worker.sim import SimEngine as Host
-    else:
-        from worker.engine import EngineHost as Host  # vLLM: seconds to import
     resolved = resolve_engine(spec, machine)
 
     def load():
+        if spec.engine_kind == "sim":  # never imports vLLM: dozens of simulated GPUs fit on one machine
+            from worker.sim import SimEngine as Host
+        else:
+            from worker.engine import EngineHost as Host  # vLLM: seconds to import, the first time
         log.info("loading %s from %s: %s", spec.id, checkpoint, resolved.summary())
         host = Host(checkpoint, resolved, tag=tag, pin=pin)
         host.start()  # a failed load, or SIGTERM while loading (_stop_now), leaves no engine behind
