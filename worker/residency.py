@@ -13,8 +13,10 @@ nothing (the sweeper re-sends a message that was held when the worker died).
 
 Order: the cold model waited for longest is loaded next. The loaded models it needs gone take no new
 work from then on and are unloaded once their running requests end (never cut off), so a busy model
-cannot keep another out for ever. One load or unload at a time: each takes the machine anyway, and
-two engines half-loaded would hold two engines' memory.
+cannot keep another out for ever; but a model just loaded serves everything that waited for it during
+its load, as one batch, before it yields: with work for two models queued, they take turns in batches
+rather than a load per request. One load or unload at a time: each takes the machine anyway, and two
+engines half-loaded would hold two engines' memory.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Slot:
     waiting: int = 0              # requests waiting for it to be loaded, or to take new work again
     waiting_since: float = 0.0    # when the oldest of them began to wait
     last_used: float = 0.0        # monotonic
+    loaded_at: float = 0.0        # monotonic: requests waiting since before it are its batch
     loads: int = 0
     load_seconds: float = 0.0     # the last load's
 
@@ -94,15 +97,17 @@ class Residency:
 
     def _acquire(self, slot: Slot, stop: threading.Event):
         with self._cond:
+            since = time.monotonic()
             if not slot.waiting:
-                slot.waiting_since = time.monotonic()
+                slot.waiting_since = since
             slot.waiting += 1
             try:
                 while True:
                     if self._closed or stop.is_set():
                         raise Closed()
                     target, leaving = self._plan()
-                    if slot.engine is not None and not slot.engine.dead and slot not in leaving:
+                    if slot.engine is not None and not slot.engine.dead and (
+                            slot not in leaving or since <= slot.loaded_at):
                         slot.users += 1
                         slot.last_used = time.monotonic()
                         return slot.engine
@@ -147,7 +152,7 @@ class Residency:
                 if engine is not None and not self._closed:
                     slot.engine, slot.loads = engine, slot.loads + 1
                     slot.users += 1
-                    slot.last_used = time.monotonic()
+                    slot.last_used = slot.loaded_at = time.monotonic()
                 self._cond.notify_all()
         if slot.engine is not engine:  # the worker began to stop while it loaded
             engine.shutdown()

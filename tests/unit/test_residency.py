@@ -71,6 +71,31 @@ def test_a_busy_model_is_never_cut_off_and_takes_no_new_work_while_another_waits
     assert order == ["b", "a"] and alive == {"a"}
 
 
+def test_a_model_just_loaded_serves_all_that_waited_for_it_as_one_batch():
+    res, alive = hosts("a", "b")
+    stop = threading.Event()
+    order = []
+    gate = threading.Event()
+
+    def run(model):
+        with res.use(model, stop):
+            order.append(model)
+            gate.wait(5)
+
+    with res.use("a", stop):
+        waiters = [in_thread(lambda: run("b")) for _ in range(3)]
+        time.sleep(0.3)
+        waiters.append(in_thread(lambda: run("a")))  # after b began to wait: a takes it after b's turn
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert order == ["b", "b", "b"]  # all three at once, a waiting: one load of b for them
+    gate.set()
+    for waiter in waiters:
+        waiter.join(5)
+    assert order == ["b", "b", "b", "a"]
+    assert [s["loads"] for s in res.describe()] == [2, 1]
+
+
 def test_keep_alive_unloads_idle_models_only():
     res, alive = hosts("a", "b", budget=5.0, keep_alive=0.2)
     stop = threading.Event()
