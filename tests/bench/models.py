@@ -4,17 +4,18 @@ One worker serves two models (the bench's checkpoint registered twice) within a 
 holds one engine: the CPU here has room for one engine beside the rest of the bench, as a GPU has
 room for one model of its size.
 
-* S1 cold load: a task for a model loaded nowhere, submit -> first token, minus a warm task's.
-  Goal <= 60 s: vLLM's own engine start on this CPU is ~20 s idle (the worker's log gives it); a
-  person pays this once per keep-alive, as with Ollama.
+* S1 cold load: a task for a model loaded nowhere, submit -> first token, minus a warm task's. Judged on
+  what the service adds to the engine's own load (the worker logs how long ``Host.start`` took):
+  <= 5 s. The load itself is vLLM's (~20 s on this CPU idle, minutes on a crowded one; a person pays
+  it once per keep-alive, as with Ollama), shown beside it.
 * S2 switch: right after a task of model B, a task of model A: submit -> first token, minus a warm
-  task's, minus S1 (so what unloading B costs). Goal <= 10 s: vLLM's clean shutdown takes ~6 s on CPU,
-  and the budget lets A load only once B's processes are gone.
+  task's and A's engine load: what unloading B costs before A may load. Goal <= 10 s: vLLM's clean
+  shutdown takes ~6 s on CPU, and the budget lets A load only once B's processes are gone.
 * S3 two models alternating ÷ one: 32 tasks of each model submitted interleaved (A, B, A, ...), all
   at once / 64 tasks of one model; tokens per second of wall time. The worker must serve them in
   batches (each model loaded once per turn), never a load per task: its goal is 0.9 of what two
-  switches allow, ``T1 / (T1 + 2 * (S1 + S2))`` with T1 the one-model wall time (A is loaded at the
-  start; B's turn, then A's again for the A tasks that came after B's first).
+  switches allow, ``T1 / (T1 + 2 * switch)`` with T1 the one-model wall time and ``switch`` S2's whole
+  time (A is loaded at the start; B's turn, then A's again for the A tasks that came after B's first).
 """
 
 import re
@@ -26,10 +27,11 @@ from tests.bench.util import log
 
 S3_TASKS, S3_TOKENS, WARM_TOKENS = 32, 64, 16
 FIGURES = {
-    "S1": ("cold load: a task for a model loaded nowhere, to its first token (minus a warm one's)", "<= 60 s"),
-    "S2": ("switch: unloading the other model first costs (beyond S1)", "<= 10 s"),
+    "S1": ("cold load: first token of a task for a model loaded nowhere, beyond the engine's load",
+           "<= 5 s"),
+    "S2": ("switch: what unloading the other model first adds", "<= 10 s"),
     "S3": (f"2 models alternating ÷ 1 model ({2 * S3_TASKS} tasks x {S3_TOKENS} tok, tok/s)",
-           ">= 0.9 x T1/(T1+2(S1+S2))"),
+           ">= 0.9 x T1/(T1+2 switches)"),
 }
 BUDGET_GIB, MODEL_GIB = 4, 3  # one engine at a time
 
@@ -94,18 +96,21 @@ def model_switch(run, table, a: str, b: str, keep_alive: float = 10.0) -> None:
         warm = min(first_token_after_submit(run, a, WARM_TOKENS) for _ in range(3))
         wait_unloaded(run, a, keep_alive + 60)  # the keep-alive: nothing loaded now
         cold = first_token_after_submit(run, b, WARM_TOKENS) - warm
-        switch = first_token_after_submit(run, a, WARM_TOKENS) - warm - cold
-        engine_load = loads(worker_log.read_text(), b)
-        table.add("S1", FIGURES["S1"][0], f"{cold:.1f} s", f"engine load {engine_load[0]:.1f} s", cold,
-                  FIGURES["S1"][1], cold <= 60, unit=" s", details={"warm_first_token_s": warm})
-        table.add("S2", FIGURES["S2"][0], f"{switch + cold:.1f} s to switch", f"S1 {cold:.1f} s", switch,
-                  FIGURES["S2"][1], switch <= 10, unit=" s")
+        load_b = loads(worker_log.read_text(), b)[-1]
+        switch = first_token_after_submit(run, a, WARM_TOKENS) - warm
+        load_a = loads(worker_log.read_text(), a)[-1]
+        table.add("S1", FIGURES["S1"][0], f"{cold:.1f} s to first token", f"engine load {load_b:.1f} s",
+                  cold - load_b, FIGURES["S1"][1], cold - load_b <= 5, unit=" s",
+                  details={"warm_first_token_s": warm, "cold_s": cold, "engine_load_s": load_b})
+        table.add("S2", FIGURES["S2"][0], f"{switch:.1f} s to switch", f"engine load {load_a:.1f} s",
+                  switch - load_a, FIGURES["S2"][1], switch - load_a <= 10, unit=" s",
+                  details={"switch_s": switch, "engine_load_s": load_a})
         one = wall(run, [a] * (2 * S3_TASKS))
         before = {m: len(loads(worker_log.read_text(), m)) for m in (a, b)}
         both = wall(run, [a, b] * S3_TASKS)
         after = {m: len(loads(worker_log.read_text(), m)) - before[m] for m in (a, b)}
         ratio = both["tokens_per_s"] / one["tokens_per_s"]
-        bound = one["elapsed"] / (one["elapsed"] + 2 * (cold + max(switch, 0)))
+        bound = one["elapsed"] / (one["elapsed"] + 2 * switch)
         table.add("S3", FIGURES["S3"][0], f"{both['tokens_per_s']:.1f} tok/s, {sum(after.values())} loads",
                   f"{one['tokens_per_s']:.1f} tok/s", ratio, f">= {0.9 * bound:.2f} (0.9 x {bound:.2f})",
                   ratio >= 0.9 * bound, details={"one": one, "both": both, "loads": after})
