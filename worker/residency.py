@@ -113,11 +113,12 @@ class Residency:
                         return slot.engine
                     if slot is target and not any(s.users for s in leaving):
                         self._changing = slot
+                        doomed = [(victim, self._detach(victim)) for victim in leaving]
                         break
                     self._cond.wait(0.5)
             finally:
                 slot.waiting -= 1
-        return self._load(slot, leaving)
+        return self._load(slot, doomed)
 
     def _plan(self) -> tuple[Slot | None, list[Slot]]:
         """The cold model to load next (waited for longest) and the loaded ones it needs gone, least
@@ -136,11 +137,11 @@ class Residency:
             free += slot.gib
         return target, leaving
 
-    def _load(self, slot: Slot, leaving: list[Slot]):
+    def _load(self, slot: Slot, doomed: list[tuple[Slot, object]]):
         engine = None
         try:
-            for victim in leaving:
-                self._unload(victim, "to make room for " + slot.spec.id)
+            for victim, old in doomed:
+                self._unload(victim, old, "to make room for " + slot.spec.id)
             began = time.monotonic()
             log.info("loading %s", slot.spec.id)
             engine = slot.load()
@@ -166,12 +167,14 @@ class Residency:
             pass
 
     # -- unloading ----------------------------------------------------------------------------------
-    def _unload(self, slot: Slot, why: str) -> None:
-        """Called while this thread holds ``_changing``, the slot idle."""
+    def _detach(self, slot: Slot):
+        """Under the lock: the slot is cold from now on, for every thread; its engine is returned to stop."""
+        engine, slot.engine = slot.engine, None
+        return engine
+
+    def _unload(self, slot: Slot, engine, why: str) -> None:
+        """Stop a detached engine, while this thread holds ``_changing``."""
         log.info("unloading %s (%s)", slot.spec.id, why)
-        engine = slot.engine
-        with self._cond:
-            slot.engine = None
         try:
             engine.shutdown()  # an engine host ends every process it started (worker/engine.py)
         except Exception:  # noqa: BLE001 - a dead engine may fail to stop cleanly; its processes still go
@@ -187,8 +190,9 @@ class Residency:
                 if not idle or self._changing is not None:
                     return done
                 slot = self._changing = idle[0]
+                engine = self._detach(slot)
             try:
-                self._unload(slot, why)
+                self._unload(slot, engine, why)
                 done.append(slot.spec.id)
             finally:
                 with self._cond:

@@ -133,3 +133,25 @@ def test_waiting_for_a_model_ends_when_the_worker_stops():
     res.close()
     with pytest.raises(Closed):
         res.load("a", threading.Event())
+
+
+def test_a_worker_row_says_which_models_it_serves_and_which_it_has_loaded(tmp_path):
+    """What /models and the dashboard read: a worker of several models serves each, loaded or not."""
+    from common import liveness
+    from common.db import make_engine, session_factory, transaction, upgrade
+
+    url = f"sqlite:///{tmp_path / 'rows.db'}"
+    upgrade(url)
+    sessions = session_factory(make_engine(url))
+    with transaction(sessions) as session:
+        liveness.heartbeat(session, "many", ["a", "b", "c"], 1.0, running=2, ready=True, loaded=["b"], boot=True)
+        liveness.heartbeat(session, "one", ["a"], 1.0, running=0, ready=True, loaded=["a"], boot=True)
+        liveness.heartbeat(session, "gone", ["c"], 1.0, running=0, ready=True, loaded=["c"], boot=True,
+                           stopped=True)
+    with sessions() as session:
+        assert liveness.live_workers(session, 30) == {"a": 2, "b": 1, "c": 1}
+        assert liveness.loaded_on(session, 30) == {"a": ["one"], "b": ["many"]}
+        states = {w.id: w for w in liveness.worker_states(session, 30)}
+    assert set(states) == {"many", "one"}
+    assert (states["many"].model, states["many"].models, states["many"].models_loaded) == ("a", ["a", "b", "c"], ["b"])
+    assert (states["one"].models, states["one"].models_loaded, states["one"].alive) == (["a"], ["a"], True)
