@@ -22,7 +22,15 @@ from common.broker import RUN_TASK, make_celery
 from common.bus import Publisher
 from common.db import ensure_migrated, make_engine, session_factory
 from common.errors import LMSPError
-from common.registry import CheckpointMissing, ModelSpec, Registry, detect_machine, memory_gib, pull, resolve_engine
+from common.registry import (
+    CheckpointMissing,
+    ModelSpec,
+    Registry,
+    detect_machine,
+    memory_gib,
+    pull,
+    resolve_engine,
+)
 from common.settings import ConfigError, get_settings
 from worker import identity, interactive, metrics, recovery, runner
 from worker.context import WorkerContext
