@@ -31,6 +31,13 @@ def hosts(*models, gib=1.0, budget=1.0, keep_alive=-1.0):
     return Residency(slots, budget_gib=budget, keep_alive=keep_alive), alive
 
 
+def until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def in_thread(fn):
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
@@ -60,11 +67,13 @@ def test_a_busy_model_is_never_cut_off_and_takes_no_new_work_while_another_waits
     order = []
     with res.use("a", stop):
         waiter_b = in_thread(lambda: res.load("b", stop) or order.append("b"))
-        time.sleep(0.3)
+        until(lambda: res.slots["b"].waiting == 1)
+        time.sleep(0.2)
         assert alive == {"a"} and not order  # a is running a request: b waits for it
         # b has waited longer than this new request for a: a takes no new work until b had its turn
         waiter_a = in_thread(lambda: res.load("a", stop) or order.append("a"))
-        time.sleep(0.3)
+        until(lambda: res.slots["a"].waiting == 1)
+        time.sleep(0.2)
         assert not order
     waiter_b.join(5)
     waiter_a.join(5)
@@ -84,10 +93,11 @@ def test_a_model_just_loaded_serves_all_that_waited_for_it_as_one_batch():
 
     with res.use("a", stop):
         waiters = [in_thread(lambda: run("b")) for _ in range(3)]
-        time.sleep(0.3)
+        until(lambda: res.slots["b"].waiting == 3)
         waiters.append(in_thread(lambda: run("a")))  # after b began to wait: a takes it after b's turn
-        time.sleep(0.3)
-    time.sleep(0.5)
+        until(lambda: res.slots["a"].waiting == 1)
+    until(lambda: len(order) == 3)
+    time.sleep(0.3)
     assert order == ["b", "b", "b"]  # all three at once, a waiting: one load of b for them
     gate.set()
     for waiter in waiters:
