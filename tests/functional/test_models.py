@@ -69,9 +69,11 @@ def test_a_cold_model_is_loaded_when_its_task_comes_and_unloaded_after_its_keep_
 
 
 def test_models_take_turns_and_a_model_unloaded_while_its_tasks_wait_loses_none(fleet):
-    """a1 runs on sim_a; b1 arrives and waits (sim_a must go); a2 arrives after b1, so it waits too, while
-    sim_a is unloaded for sim_b. Every task succeeds, sim_a having been loaded again for a2."""
+    """sim_a loaded and running a1; b1 arrives and waits (sim_a must go); a2 arrives after b1, so it waits
+    too, queued, while sim_a is unloaded for sim_b. Every task succeeds, sim_a loaded again for a2."""
     client, sim_a, sim_b = fleet["client"], fleet["sim_a"], fleet["sim_b"]
+    warm = submit(client, sim_a, max_output_tokens=2).json()["id"]
+    assert wait_status(client, warm, {"succeeded", "failed"}, timeout=60)["status"] == "succeeded"
     before = loads(fleet, sim_a)
     tasks = []
     for model in (sim_a, sim_b, sim_a, sim_b):
@@ -80,7 +82,9 @@ def test_models_take_turns_and_a_model_unloaded_while_its_tasks_wait_loses_none(
     for task_id in tasks:
         done = wait_status(client, task_id, {"succeeded", "failed", "cancelled"}, timeout=60)
         assert done["status"] == "succeeded" and done["response"]["usage"]["output_tokens"] == 30, done
-    assert loads(fleet, sim_a) >= before + 2, "sim_a was not unloaded while a2 waited for it"
+        assert len(done["extensions"]["x-lmsp-timeline"]["attempts"]) == 1  # claimed once: after its load
+    assert loads(fleet, sim_a) == before + 1, "sim_a was not unloaded while a2 waited for it"
+    assert loads(fleet, sim_b) >= 1
 
 
 def test_a_direct_request_for_a_model_loaded_nowhere_is_served(fleet):
