@@ -49,7 +49,6 @@ class Slot:
     last_used: float = 0.0        # monotonic
     loaded_at: float = 0.0        # monotonic: requests waiting since before it are its batch
     loads: int = 0
-    load_seconds: float = 0.0     # the last load's
 
 
 class Residency:
@@ -71,15 +70,9 @@ class Residency:
         with self._cond:
             return [m for m, slot in self.slots.items() if slot.engine is not None]
 
-    def engine_of(self, model_id: str):
-        return self.slots[model_id].engine
-
     def running(self, model_id: str | None = None) -> int:
         slots = self.slots.values() if model_id is None else [self.slots[model_id]]
         return sum(engine.running() for slot in slots if (engine := slot.engine) is not None)
-
-    def dead(self) -> list[Slot]:
-        return [slot for slot in self.slots.values() if slot.engine is not None and slot.engine.dead]
 
     # -- using a model ------------------------------------------------------------------------------
     @contextmanager
@@ -145,8 +138,7 @@ class Residency:
             began = time.monotonic()
             log.info("loading %s", slot.spec.id)
             engine = slot.load()
-            slot.load_seconds = time.monotonic() - began
-            log.info("loaded %s in %.1f s", slot.spec.id, slot.load_seconds)
+            log.info("loaded %s in %.1f s", slot.spec.id, time.monotonic() - began)  # tests/bench/models.py reads it
         finally:
             with self._cond:
                 self._changing = None
@@ -235,9 +227,3 @@ class Residency:
                 slot.engine = None
         for engine in engines:
             engine.shutdown()
-
-    def describe(self) -> list[dict]:
-        """Per model: loaded or not, its estimate, its loads (``lmsp`` and the logs)."""
-        with self._cond:
-            return [{"model": m, "loaded": s.engine is not None, "gib": round(s.gib, 2), "loads": s.loads,
-                     "load_seconds": round(s.load_seconds, 2)} for m, s in self.slots.items()]

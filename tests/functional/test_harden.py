@@ -263,7 +263,7 @@ def test_the_engine_watch_reloads_after_a_pass_that_failed_half_way(sessions, pg
             pass  # the loop around it logs this and calls it again
         ctx.sessions = sessions  # Postgres is back
         recovery.watch_engine(ctx)
-        assert loaded and ctx.hosts.engine_of(MODEL) is loaded[-1] and ctx.engine_ok.is_set()
+        assert loaded and ctx.hosts.primary.engine is loaded[-1] and ctx.engine_ok.is_set()
     finally:
         ctx.stopping.set()
         ctx.writer.stop()

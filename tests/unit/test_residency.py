@@ -50,7 +50,7 @@ def test_the_least_recently_used_model_makes_room():
     for model in ("a", "b", "a", "c"):
         res.load(model, stop)
     assert res.loaded() == ["a", "c"] and alive == {"a", "c"}  # b was used least recently
-    assert [s["loads"] for s in res.describe()] == [1, 1, 1]
+    assert [s.loads for s in res.slots.values()] == [1, 1, 1]
 
 
 def test_a_model_larger_than_the_budget_loads_alone():
@@ -103,7 +103,7 @@ def test_a_model_just_loaded_serves_all_that_waited_for_it_as_one_batch():
     for waiter in waiters:
         waiter.join(5)
     assert order == ["b", "b", "b", "a"]
-    assert [s["loads"] for s in res.describe()] == [2, 1]
+    assert [s.loads for s in res.slots.values()] == [2, 1]
 
 
 def test_keep_alive_unloads_idle_models_only():
