@@ -22,7 +22,7 @@ from common.lifecycle import Attempt, Fenced
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest
 from common.registry import queue_name
-from common.states import TASK_OUTCOME, R
+from common.states import LIVE, QUEUED, TASK_OUTCOME, R
 from common.tables import Response, Task
 from worker import metrics
 from worker.context import WorkerContext
@@ -249,7 +249,16 @@ def run_task(ctx: WorkerContext, task_id: str, model: str | None = None) -> None
         if model not in ctx.hosts.slots:
             log.warning("task %s is not of a model this worker serves (%s); dropped", task_id, model)
             return
+        if model not in ctx.hosts.loaded() and not _claimable(ctx, task_id):
+            return  # a copy of a message whose task ran meanwhile: not worth loading a model for
         _run_task(ctx, task_id, model)
+
+
+def _claimable(ctx: WorkerContext, task_id: str) -> bool:
+    """Whether a claim could take the task now (queued, or handed on and unowned)."""
+    with ctx.sessions() as session:
+        row = session.execute(select(Task.status, Task.worker_id).where(Task.id == task_id)).one_or_none()
+    return row is not None and (row.status == QUEUED or (row.status in LIVE and row.worker_id is None))
 
 
 def _run_task(ctx: WorkerContext, task_id: str, model: str) -> None:
