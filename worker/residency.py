@@ -59,6 +59,7 @@ class Residency:
         self.on_change = on_change or (lambda: None)  # the loaded set changed (heartbeat, interactive lane)
         self._cond = threading.Condition()
         self._changing: Slot | None = None  # being loaded or unloaded
+        self._stopping: set[str] = set()  # models whose engines are being stopped: loaded until they are gone
         self._closed = False
 
     # -- what is loaded -----------------------------------------------------------------------------
@@ -67,8 +68,9 @@ class Residency:
         return next(iter(self.slots.values()))
 
     def loaded(self) -> list[str]:
+        """The models holding memory here: loaded, or being unloaded."""
         with self._cond:
-            return [m for m, slot in self.slots.items() if slot.engine is not None]
+            return [m for m, slot in self.slots.items() if slot.engine is not None or m in self._stopping]
 
     def running(self, model_id: str | None = None) -> int:
         slots = self.slots.values() if model_id is None else [self.slots[model_id]]
@@ -162,6 +164,7 @@ class Residency:
     def _detach(self, slot: Slot):
         """Under the lock: the slot is cold from now on, for every thread; its engine is returned to stop."""
         engine, slot.engine = slot.engine, None
+        self._stopping.add(slot.spec.id)
         return engine
 
     def _unload(self, slot: Slot, engine, why: str) -> None:
@@ -171,6 +174,9 @@ class Residency:
             engine.shutdown()  # an engine host ends every process it started (worker/engine.py)
         except Exception:  # noqa: BLE001 - a dead engine may fail to stop cleanly; its processes still go
             log.warning("stopping the engine of %s failed", slot.spec.id, exc_info=True)
+        finally:
+            with self._cond:
+                self._stopping.discard(slot.spec.id)
         self.on_change()
 
     def unload_idle(self, pred: Callable[[Slot], bool], why: str) -> list[str]:
