@@ -8,7 +8,7 @@ ready to take work; its lease has *expired* once its heartbeat is older than the
 
 from typing import NamedTuple
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, select, update
 from sqlalchemy.orm import Session
 
 from common.db import db_now
@@ -30,13 +30,15 @@ class Replaced(Exception):
     """Another process booted with this worker id after this one: this one must stop."""
 
 
-def heartbeat(session: Session, worker_id: str, model: str, started_at: float, *, running: int, ready: bool,
-              state: str | None = None, tokens_per_second: float = 0.0, stopped: bool = False,
+def heartbeat(session: Session, worker_id: str, models: list[str], started_at: float, *, running: int, ready: bool,
+              loaded: list[str], state: str | None = None, tokens_per_second: float = 0.0, stopped: bool = False,
               boot: bool = False) -> None:
-    """``boot``: this process (``started_at``) takes the id; every later heartbeat is conditional on
+    """``models``: the ones the worker serves (the first is its ``model``), ``loaded``: those loaded now.
+    ``boot``: this process (``started_at``) takes the id; every later heartbeat is conditional on
     it still holding it, and raises Replaced once another process took the id over. ``state`` and
     ``tokens_per_second``: what the workers panel shows (worker/context.py's ``state``, worker/rate.py)."""
-    values = {"heartbeat_at": db_now(), "model": model, "running": running, "ready": ready and not stopped,
+    values = {"heartbeat_at": db_now(), "model": models[0], "models": models if len(models) > 1 else None,
+              "models_loaded": loaded, "running": running, "ready": ready and not stopped,
               "stopped_at": db_now() if stopped else None, "state": state,
               "tokens_per_second": round(tokens_per_second, 2)}
     mine = () if boot else (Worker.started_at == started_at,)
@@ -57,54 +59,50 @@ def heartbeat_of(session: Session, worker_id: str) -> tuple[float, float] | None
 
 
 def live_workers(session: Session, lease_seconds: float, started_since: float | None = None) -> dict[str, int]:
-    """Workers per model alive now; ``started_since``: only processes that took their id at or after
-    this time."""
+    """Live workers per model they serve, loaded or not (a worker of several models loads one when work
+    for it comes); ``started_since``: only processes that took their id at or after this time."""
     since = () if started_since is None else (Worker.started_at >= started_since,)
-    rows = session.execute(select(Worker.model, func.count()).where(alive(lease_seconds), *since)
-                           .group_by(Worker.model))
-    return dict(rows.all())
+    counts: dict[str, int] = {}
+    for model, models in session.execute(select(Worker.model, Worker.models).where(alive(lease_seconds), *since)):
+        for served in models or [model]:
+            counts[served] = counts.get(served, 0) + 1
+    return counts
+
+
+def loaded_on(session: Session, lease_seconds: float) -> dict[str, list[str]]:
+    """The live workers that have each model loaded now (as of their last heartbeat), by id."""
+    where: dict[str, list[str]] = {}
+    for worker_id, loaded in session.execute(select(Worker.id, Worker.models_loaded).where(alive(lease_seconds))
+                                             .order_by(Worker.id)):
+        for model in loaded or ():
+            where.setdefault(model, []).append(worker_id)
+    return where
 
 
 class WorkerState(NamedTuple):
     id: str
-    model: str
+    model: str                # the first it serves
     alive: bool
-    running: int  # engine requests in flight at its last heartbeat
-    state: str  # ready | loading | reloading | draining as it reported; lost once its lease expired
+    running: int              # engine requests in flight at its last heartbeat
+    state: str                # ready | loading | reloading | draining as it reported; lost once its lease expired
     tokens_per_second: float
-    models_loaded: list[str]
-
-
-# Written by workers that serve a set of models (issue 24, part 3); until that column exists, or while
-# a worker leaves it empty, a worker has its one model loaded.
-_LOADED = getattr(Worker, "models_loaded", None)
+    models: list[str]         # every model it serves
+    models_loaded: list[str]  # those loaded at its last heartbeat
 
 
 def worker_states(session: Session, lease_seconds: float, lost_for: float | None = None) -> list[WorkerState]:
     """Every worker that did not stop, by id: one query of the workers table, no scan of anything else.
     ``lost_for``: leave out workers whose last heartbeat is older than this (long gone)."""
     recent = () if lost_for is None else (Worker.heartbeat_at > db_now() - lost_for,)
-    columns = [Worker.id, Worker.model, alive(lease_seconds), Worker.running, Worker.state, Worker.ready,
-               Worker.tokens_per_second, expired(lease_seconds)]
-    if _LOADED is not None:
-        columns.append(_LOADED)
     out = []
-    for wid, model, up, running, state, ready, rate, lost, *loaded in session.execute(
-            select(*columns).where(Worker.stopped_at.is_(None), *recent).order_by(Worker.id)):
+    for wid, model, up, running, state, ready, rate, lost, models, loaded in session.execute(select(
+            Worker.id, Worker.model, alive(lease_seconds), Worker.running, Worker.state, Worker.ready,
+            Worker.tokens_per_second, expired(lease_seconds), Worker.models, Worker.models_loaded)
+            .where(Worker.stopped_at.is_(None), *recent).order_by(Worker.id)):
         state = "lost" if lost else state or ("ready" if ready else "loading")
-        out.append(WorkerState(wid, model, bool(up), running or 0, state, rate or 0.0,
-                               _model_ids(loaded[0] if loaded else None, model)))
+        out.append(WorkerState(wid, model, bool(up), running or 0, state, rate or 0.0, models or [model],
+                               loaded or []))
     return out
-
-
-def _model_ids(loaded, model: str) -> list[str]:
-    """``models_loaded`` read defensively: a list of ids (or of objects naming one), or a mapping by id."""
-    if loaded is None:
-        return [model]
-    if isinstance(loaded, dict):
-        return sorted(loaded)
-    return [m if isinstance(m, str) else m.get("id") or m.get("model") for m in loaded
-            if isinstance(m, str) or isinstance(m, dict) and (m.get("id") or m.get("model"))]
 
 
 def expired_workers(session: Session, lease_seconds: float, me: str) -> list[str]:

@@ -37,6 +37,9 @@ class ModelSpec(BaseModel):
     # {kind: sim, ttft_ms, tokens_per_s, max_num_seqs, ...} (worker/sim.py; for load tests, no GPU, no vLLM).
     engine: dict = Field(default_factory=dict)
     kv_cache_gib: float | None = None             # CPU KV cache; None: sized from free memory
+    # What the model holds once loaded, for a worker of several models (LMSP_WORKER_MEMORY_BUDGET_GIB);
+    # None: estimated (memory_gib below). Set it on a GPU, with the engine's gpu_memory_utilization to match.
+    memory_gib: float | None = Field(None, ge=0)
     capabilities: Capabilities = Field(default_factory=Capabilities)
     tool_call_parser: str | None = None           # "hermes": <tool_call>{json}</tool_call>
     reasoning_parser: str | None = None           # "think": <think>...</think> (Qwen3, DeepSeek-R1)
@@ -345,6 +348,21 @@ def resolve_engine(spec: ModelSpec, machine: Machine, environ=None) -> EngineSet
         env["VLLM_CPU_KVCACHE_SPACE"], resolved["kv_cache"] = _cpu_kv_cache(spec, args, machine, environ)
         resolved["omp_threads"] = _cpu_threads(machine, environ)
     return EngineSettings(args=args, env=env, resolved=resolved, cpus=machine.cpus if machine.device == "cpu" else ())
+
+
+ENGINE_RUNTIME_GIB = 2.5  # a vLLM engine's processes on CPU beyond weights and KV cache (torch, measured)
+
+
+def memory_gib(spec: ModelSpec, settings: EngineSettings) -> float:
+    """What ``spec`` holds once loaded with ``settings`` (a worker of several models fits the loaded ones
+    in its budget by it): the entry's ``memory_gib``; else none for the simulator; else its weights on disk,
+    its CPU KV cache and the engine's runtime. A rough figure: on a GPU, say it in the models file."""
+    if spec.memory_gib is not None:
+        return spec.memory_gib
+    if spec.engine_kind == "sim":
+        return 0.0
+    weights = sum(f.stat().st_size for f in Path(local_checkpoint(spec)).glob("*.safetensors"))
+    return weights / (1 << 30) + float(settings.env.get("VLLM_CPU_KVCACHE_SPACE", 0)) + ENGINE_RUNTIME_GIB
 
 
 def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tuple[str, str]:

@@ -35,6 +35,12 @@ class Settings(BaseSettings):
     redis_url: str = ""               # empty: no Redis (events are polled from the log)
     models_file: Path | None = None   # default: home/models.yaml
     worker_id: str = ""               # default: hostname:model
+    # A worker serving several models (worker/residency.py): their ids, comma-separated (`--model a,b` too).
+    # It loads one when work for it arrives and unloads the least recently used ones so that the loaded
+    # models' memory estimates (models.yaml `memory_gib`) fit the budget; one model always fits alone.
+    worker_models: str = ""
+    worker_memory_budget_gib: float = Field(0.0, ge=0)  # 0: one model (of those with an estimate) at a time
+    worker_keep_alive_seconds: float = 300.0  # a model idle this long is unloaded (Ollama's keep_alive); < 0: never
     # Postgres connections per process: a pool, plus overflow while it is all in use. Every worker and
     # api process holds its own, so a fleet needs sum(pool + overflow) within max_connections (or a pooler).
     db_pool_size: Count = 10

@@ -185,3 +185,7 @@ class Worker(Base):
     ready: Mapped[bool] = mapped_column(Boolean, default=True)  # engine loaded and claiming
     state: Mapped[str | None] = mapped_column(String(20))  # ready | loading | reloading | draining
     tokens_per_second: Mapped[float | None] = mapped_column(Float)  # generated, over the last seconds
+    # A worker of several models (worker/residency.py): the ones it serves (None: just ``model``), and
+    # the ones loaded at its last heartbeat (ids, in the order it serves them).
+    models: Mapped[list | None] = mapped_column(JSON)
+    models_loaded: Mapped[list | None] = mapped_column(JSON)

@@ -228,6 +228,17 @@ class StreamTicket(Shape):
     events_url: str
 
 
+class Residency(Shape):
+    loaded_on: list[str] = Field(description="The live workers that have the model loaded now (ids); the "
+                                 "others of `workers` load it when work for it comes")
+
+
+class ModelExtensions(BaseModel):
+    """Extension members of a model (spec 9.1); clients that do not know one ignore it."""
+    model_config = ConfigDict(extra="allow")
+    residency: Residency = Field(alias="x-lmsp-residency", description="Where the model is loaded")
+
+
 class Model(Shape):
     """A model with its live serving state (spec 8)."""
     id: str = Field(examples=["qwen3:14b-q4_k_m"])
@@ -236,8 +247,10 @@ class Model(Shape):
     max_output_tokens: int = Field(ge=1)
     capabilities: Capabilities
     status: Literal["ready", "unavailable"] = Field(
-        description="ready when at least one live worker serves the model")
+        description="ready when at least one live worker serves the model: has it loaded, or loads it "
+                    "when work for it comes (a worker of several models)")
     workers: Count
+    extensions: ModelExtensions
 
 
 class ModelList(Shape):

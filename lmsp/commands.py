@@ -56,11 +56,14 @@ def _served_models(http: lc.Client, as_json: bool) -> None:
     if as_json:
         return print_json(data)
     from rich.table import Table
-    table = Table("MODEL", "STATE", "WORKERS", "CONTEXT", "MAX OUTPUT", "CAPABILITIES", box=None)
+    table = Table("MODEL", "STATE", "WORKERS", "LOADED ON", "CONTEXT", "MAX OUTPUT", "CAPABILITIES", box=None)
     for m in data:
         caps = ",".join(k for k, v in m["capabilities"].items() if v)
-        table.add_row(m["id"], styled(m["status"]), str(m["workers"]), str(m["context_window"]),
-                      str(m["max_output_tokens"]), caps)
+        # A worker of several models serves one it has not loaded (it loads it on demand).
+        loaded = (m.get("extensions") or {}).get("x-lmsp-residency", {}).get("loaded_on")
+        table.add_row(m["id"], styled(m["status"]), str(m["workers"]),
+                      ", ".join(loaded or []) or ("none (loaded on demand)" if m["workers"] else "-"),
+                      str(m["context_window"]), str(m["max_output_tokens"]), caps)
     rich_console().print(table)
 
 

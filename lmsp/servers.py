@@ -60,14 +60,16 @@ def serve(port: int | None) -> None:
 
 
 @cli.command()
-@click.option("--model", "model_id", required=True, help="The registry id of the model to serve.")
+@click.option("--model", "model_id", help="The registry id of the model to serve, or several: a,b (loaded on "
+              "demand within LMSP_WORKER_MEMORY_BUDGET_GIB). Default: LMSP_WORKER_MODELS.")
 @click.option("--gpu", type=int, help="The GPU this worker owns (CUDA_VISIBLE_DEVICES).")
 @click.option("--gpus", help="Supervise one worker per GPU of this host: 'all' or indices such as 0,1,2,3.")
 @click.option("--tensor-parallel", type=click.IntRange(1), default=1, show_default=True,
               help="GPUs per worker: one engine spread over each group of this many GPUs of --gpus "
                    "(a model bigger than one GPU).")
-def worker(model_id: str, gpu: int | None, gpus: str | None, tensor_parallel: int) -> None:
-    """Run a worker: one engine for one model, on one GPU (or one per GPU, or per group, with --gpus)."""
+def worker(model_id: str | None, gpu: int | None, gpus: str | None, tensor_parallel: int) -> None:
+    """Run a worker: one engine for one model (or for several, loaded on demand), on one GPU (or one per
+    GPU, or per group, with --gpus)."""
     if gpus is not None:
         if gpu is not None:
             fail("give --gpu (one worker) or --gpus (one per GPU), not both")

@@ -3,7 +3,6 @@
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -16,6 +15,7 @@ from common.lifecycle import Attempt
 from common.registry import ModelSpec
 from common.settings import Settings
 from worker.rate import TokenRate
+from worker.residency import Residency
 
 log = logging.getLogger("lmsp.worker")
 
@@ -25,6 +25,7 @@ class Inflight:
     """One attempt this process runs, from its claim to its final event."""
     attempt: Attempt
     request_id: str | None = None   # the engine request, once submitted
+    engine: object | None = None    # the engine it runs on (of its model)
     cancelled: bool = False
     fenced: bool = False            # another worker owns the task now: write nothing more
     write_error: dict | None = None  # an event of it could not be logged: it fails alone
@@ -34,20 +35,18 @@ class Inflight:
 class WorkerContext:
     settings: Settings
     worker_id: str
-    spec: ModelSpec
     sessions: sessionmaker[Session]
     celery: Celery
     publisher: Publisher
     writer: "object"  # worker.writer.EventWriter
-    engine: "object"  # worker.engine.EngineHost; replaced when the engine is restarted
+    hosts: Residency  # the models it serves and their engines (worker/engine.py, worker/sim.py), loaded or not
     started_at: float = field(default_factory=time.time)  # this process's hold on worker_id (its heartbeats)
     stopping: threading.Event = field(default_factory=threading.Event)   # the process is ending
     draining: threading.Event = field(default_factory=threading.Event)   # SIGTERM: claim nothing more
-    engine_ok: threading.Event = field(default_factory=threading.Event)  # the engine can take requests
+    engine_ok: threading.Event = field(default_factory=threading.Event)  # claiming (not while a pinned engine reloads)
     attempts: dict[str, Inflight] = field(default_factory=dict)         # response id -> attempt
     tokens: TokenRate = field(default_factory=TokenRate)  # generated tokens, for the heartbeat's rate
     lock: threading.Lock = field(default_factory=threading.Lock)
-    new_engine: Callable[[], object] | None = None  # loads a fresh engine (after the old one died)
     engine_lost_at: float | None = None  # monotonic time the engine was found dead (until a new one loads)
     db_ok_since: float | None = None    # monotonic time of the first heartbeat after a database outage
     orphans: set = field(default_factory=set)  # own tasks seen not running at the last sweep
@@ -76,15 +75,27 @@ class WorkerContext:
         self._broker_run_id = run_id
         return changed
 
+    def spec(self, model_id: str) -> ModelSpec:
+        return self.hosts.slots[model_id].spec
+
+    @property
+    def label(self) -> str:
+        """The worker's models, for its own metrics: the model id of a worker of one."""
+        return ",".join(self.hosts.slots)
+
     @property
     def log_direct(self) -> bool:
         """Without Redis a direct stream's events travel through the log too."""
         return not self.publisher.live
 
     def ready(self) -> bool:
-        """Engine loaded and claiming: what /models and the readiness probe report."""
-        return self.engine_ok.is_set() and self.writer.alive and not (
-            self.draining.is_set() or self.stopping.is_set() or self.engine.dead)
+        """Claiming: what /models and the readiness probe report. A worker of one model: its engine is
+        loaded and alive. A worker of several is ready while it loads one (work for the others waits in
+        their queues meanwhile, or goes to other workers); a dead engine of one is unloaded and loaded
+        again on demand."""
+        if self.hosts.pinned and ((engine := self.hosts.primary.engine) is None or engine.dead):
+            return False
+        return self.engine_ok.is_set() and self.writer.alive and not (self.draining.is_set() or self.stopping.is_set())
 
     def state(self) -> str:
         """What the workers panel shows: ready; loading (its first engine), reloading (a new engine after
@@ -134,9 +145,9 @@ class WorkerContext:
                 return
             for name, value in flags.items():
                 setattr(entry, name, value)
-            request_id = entry.request_id
+            request_id, engine = entry.request_id, entry.engine
         if request_id is not None:
-            self.engine.abort(request_id)
+            engine.abort(request_id)
 
     def cancel(self, response_id: str) -> None:
         self._stop(response_id, cancelled=True)

@@ -20,7 +20,15 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from common.prompt import load_tokenizer
 from common.registry import EngineSettings
 from worker.gate import Delta, GatedHost, GenParams, Request
-from worker.procs import ENGINE_TAG_ENV, _descendants, _pin_process, kill, vllm_process_prefix
+from worker.procs import (
+    ENGINE_TAG_ENV,
+    _descendants,
+    _pin_process,
+    engine_processes,
+    kill,
+    vllm_process_prefix,
+    wait_gone,
+)
 
 __all__ = ["Delta", "EngineHost", "GenParams"]
 
@@ -39,6 +47,7 @@ class EngineHost(GatedHost):
         self._sampling_defaults: dict = {}
         self._tok_params = None
         self._engine_procs: list[multiprocessing.Process] = []
+        self._pids: set[int] = set()  # every process the load started: all gone after shutdown()
         self._pin = pin
         self._pinned = False  # this process's threads kept off the engine's CPUs
 
@@ -55,6 +64,7 @@ class EngineHost(GatedHost):
             if isinstance(exc, Exception):
                 self._stop_loop()
             raise
+        self._pids = engine_processes(set(_descendants(os.getpid())) - before)
         if self._pin:
             self._keep_off_engine_cpus()
 
@@ -181,7 +191,13 @@ class EngineHost(GatedHost):
         return load_tokenizer(self._checkpoint)
 
     def shutdown(self) -> None:
-        super().shutdown()
+        try:
+            super().shutdown()
+        finally:
+            # A worker of several models unloads engines while it runs: whatever vLLM's shutdown left (a
+            # worker process of a core that had to be killed) must not hold the memory the next model needs.
+            kill(self._pids)
+            wait_gone(self._pids)
         if self._pinned:  # the engine is gone: its CPUs are this process's again
             _pin_process(set(self._settings.cpus))
             self._pinned = False

@@ -1,8 +1,10 @@
-"""``lmsp worker --model ID``: one Celery worker (threads pool) hosting one vLLM engine.
+"""``lmsp worker --model ID``: one Celery worker (threads pool) hosting one vLLM engine; with
+``--model a,b`` (or ``LMSP_WORKER_MODELS``) the engines of several models, loaded on demand within a
+memory budget (worker/residency.py).
 
-Order matters: end any engine a killed predecessor left behind, load the engine,
+Order matters: end any engine a killed predecessor left behind, load the (first) engine,
 hand on this worker's unfinished tasks by their restart policy, announce the
-worker (heartbeat), and only then consume the model's queue.
+worker (heartbeat), and only then consume the models' queues.
 """
 
 import argparse
@@ -20,11 +22,20 @@ from common.broker import RUN_TASK, make_celery
 from common.bus import Publisher
 from common.db import ensure_migrated, make_engine, session_factory
 from common.errors import LMSPError
-from common.registry import CheckpointMissing, Registry, detect_machine, pull, resolve_engine
+from common.registry import (
+    CheckpointMissing,
+    ModelSpec,
+    Registry,
+    detect_machine,
+    memory_gib,
+    pull,
+    resolve_engine,
+)
 from common.settings import ConfigError, get_settings
 from worker import identity, interactive, metrics, recovery, runner
 from worker.context import WorkerContext
 from worker.procs import kill_stale_engines, mark_deployment
+from worker.residency import Residency, Slot
 from worker.writer import EventWriter
 
 log = logging.getLogger("lmsp.worker")
@@ -40,10 +51,11 @@ def _stop_now(signum, _frame) -> None:
     raise Stopped(128 + signum)
 
 
-def build(model_id: str, gpu: int | None, tensor_parallel: int = 1) -> WorkerContext:
+def _spec(registry: Registry, model_id: str, tensor_parallel: int) -> tuple[ModelSpec, str]:
+    """A model this worker serves and its checkpoint folder on this host."""
     settings = get_settings()
     try:
-        spec = Registry.load(settings.models_path).get(model_id)
+        spec = registry.get(model_id)
     except LMSPError:
         sys.exit(f"lmsp worker: no model {model_id!r} in {settings.models_path}; "
                  "`lmsp models list` shows them, `make model` imports the default")
@@ -59,11 +71,31 @@ def build(model_id: str, gpu: int | None, tensor_parallel: int = 1) -> WorkerCon
                           "`lmsp models import-gguf FILE --id ID`")
     if tensor_parallel > 1:
         spec = spec.model_copy(update={"engine": {**spec.engine, "tensor_parallel_size": tensor_parallel}})
-    if spec.engine_kind == "sim":  # never imports vLLM: dozens of simulated GPUs fit on one machine
-        from worker.sim import SimEngine as Host
-    else:
-        from worker.engine import EngineHost as Host  # vLLM: seconds to import
-    worker_id = settings.worker_id or f"{socket.gethostname()}:{model_id}" + (f":gpu{gpu}" if gpu is not None else "")
+    return spec, checkpoint
+
+
+def _slot(spec: ModelSpec, checkpoint: str, machine, tag: str, pin: bool) -> Slot:
+    resolved = resolve_engine(spec, machine)
+
+    def load():
+        if spec.engine_kind == "sim":  # never imports vLLM: dozens of simulated GPUs fit on one machine
+            from worker.sim import SimEngine as Host
+        else:
+            from worker.engine import EngineHost as Host  # vLLM: seconds to import, the first time
+        log.info("loading %s from %s: %s", spec.id, checkpoint, resolved.summary())
+        host = Host(checkpoint, resolved, tag=tag, pin=pin)
+        host.start()  # a failed load, or SIGTERM while loading (_stop_now), leaves no engine behind
+        return host
+
+    return Slot(spec, memory_gib(spec, resolved), load)
+
+
+def build(model_ids: list[str], gpu: int | None, tensor_parallel: int = 1) -> WorkerContext:
+    settings = get_settings()
+    registry = Registry.load(settings.models_path)
+    models = [_spec(registry, model_id, tensor_parallel) for model_id in model_ids]
+    worker_id = settings.worker_id or f"{socket.gethostname()}:{','.join(model_ids)}" + \
+        (f":gpu{gpu}" if gpu is not None else "")
     # A paused worker must not hold rows inside a transaction forever (a takeover waits on them).
     connect = {"connect_args": {"options": "-c idle_in_transaction_session_timeout=5000"}} \
         if settings.db_url.startswith(("postgres", "postgresql")) else {}
@@ -77,19 +109,17 @@ def build(model_id: str, gpu: int | None, tensor_parallel: int = 1) -> WorkerCon
     killed = kill_stale_engines(worker_id)
     if killed:
         log.warning("ended %d engine processes left by a previous run of %s", len(killed), worker_id)
-    resolved = resolve_engine(spec, detect_machine())
-
-    def new_engine() -> Host:
-        log.info("loading %s from %s: %s", spec.id, checkpoint, resolved.summary())
-        host = Host(checkpoint, resolved, tag=worker_id, pin=True)
-        host.start()  # a failed load, or SIGTERM while loading (_stop_now), leaves no engine behind
-        return host
-
+    machine = detect_machine()
+    # One model: its threads kept off the engine's CPUs. Several come and go: the kernel decides.
+    hosts = Residency([_slot(spec, checkpoint, machine, worker_id, pin=len(models) == 1)
+                       for spec, checkpoint in models],
+                      budget_gib=settings.worker_memory_budget_gib, keep_alive=settings.worker_keep_alive_seconds)
     publisher = Publisher(settings.redis_url)
-    ctx = WorkerContext(settings=settings, worker_id=worker_id, spec=spec, sessions=sessions,
-                        celery=make_celery(settings), publisher=publisher, writer=None,
-                        engine=new_engine(), new_engine=new_engine)
+    ctx = WorkerContext(settings=settings, worker_id=worker_id, sessions=sessions, celery=make_celery(settings),
+                        publisher=publisher, writer=None, hosts=hosts)
     ctx.writer = EventWriter(sessions, publisher, ctx.lose, ctx.stopping)
+    hosts.load(model_ids[0], ctx.stopping)  # the first model at boot; the others when work for them comes
+    hosts.on_change = lambda: recovery.announce(ctx)
     ctx.engine_ok.set()
     return ctx
 
@@ -97,10 +127,12 @@ def build(model_id: str, gpu: int | None, tensor_parallel: int = 1) -> WorkerCon
 def serve(ctx: WorkerContext) -> None:
     app = ctx.celery
 
-    @app.task(name=RUN_TASK)
-    def run(task_id: str) -> None:
+    models_of = {slot.spec.queue: model for model, slot in ctx.hosts.slots.items()}
+
+    @app.task(name=RUN_TASK, bind=True)
+    def run(self, task_id: str) -> None:
         try:
-            runner.run_task(ctx, task_id)
+            runner.run_task(ctx, task_id, models_of.get(self.request.delivery_info.get("routing_key")))
         except runner.EngineStopped:
             pass  # the drain (or the next boot) hands the task on
 
@@ -110,21 +142,22 @@ def serve(ctx: WorkerContext) -> None:
         # grace, hand the rest on, then stop the engine.
         recovery.drain(ctx)
         ctx.stopping.set()
-        ctx.engine.shutdown()
+        ctx.hosts.close()
 
-    concurrency = ctx.spec.max_num_seqs
+    concurrency = max(slot.spec.max_num_seqs for slot in ctx.hosts.slots.values())
+    queues = ",".join(slot.spec.queue for slot in ctx.hosts.slots.values())
     try:  # a SIGTERM before Celery takes the signals over (_stop_now) ends the engine here too
         recovery.heartbeat(ctx, boot=True)  # this process holds the id from now on (identity.ensure_sole)
         recovery.recover_own(ctx)
         recovery.start_background(ctx)
         interactive.start(ctx)
-        app.worker_main(["worker", "-P", "threads", "-c", str(concurrency), "-Q", ctx.spec.queue,
+        app.worker_main(["worker", "-P", "threads", "-c", str(concurrency), "-Q", queues,
                          "-n", f"{ctx.worker_id}@{socket.gethostname()}", "--without-gossip",
                          "--without-mingle", "--without-heartbeat", "-l", "INFO"])
     finally:
         clean = ctx.stopping.is_set()
         ctx.stopping.set()
-        ctx.engine.shutdown()
+        ctx.hosts.close()
         ctx.writer.stop()
         recovery.heartbeat(ctx, stopped=True)
     if not clean:
@@ -132,14 +165,14 @@ def serve(ctx: WorkerContext) -> None:
         sys.exit("lmsp worker: the Celery consumer stopped unexpectedly")
 
 
-def run(model_id: str, gpu: int | None = None, tensor_parallel: int = 1) -> None:
+def run(models: str, gpu: int | None = None, tensor_parallel: int = 1) -> None:
     """The worker's entry point (`lmsp worker` calls it with its parsed options)."""
     # Honoured from the first instant: a pod or container stopped while the model loads stops now.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop_now)
     try:
         logs.setup()
-        ctx = build(model_id, gpu, tensor_parallel)
+        ctx = build(model_list(models), gpu, tensor_parallel)
     except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
         sys.exit(f"lmsp worker: {exc}")
     except Stopped as exc:
@@ -151,9 +184,17 @@ def run(model_id: str, gpu: int | None = None, tensor_parallel: int = 1) -> None
     serve(ctx)
 
 
+def model_list(models: str | None) -> list[str]:
+    """``a,b`` (``--model``, else ``LMSP_WORKER_MODELS``) as ids, each once."""
+    ids = list(dict.fromkeys(m.strip() for m in (models or get_settings().worker_models).split(",") if m.strip()))
+    if not ids:
+        raise ConfigError("no model to serve: give --model ID (or several: --model a,b), or set LMSP_WORKER_MODELS")
+    return ids
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lmsp worker")
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="a model id, or several: a,b (default: LMSP_WORKER_MODELS)")
     parser.add_argument("--gpu", type=int)
     parser.add_argument("--tensor-parallel", type=int, default=1)
     args = parser.parse_args(argv)

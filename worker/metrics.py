@@ -94,9 +94,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 def start_metrics_server(ctx) -> ThreadingHTTPServer | None:
     """Serve this worker's port on a daemon thread; None when the port is 0 or taken."""
-    settings, model = ctx.settings, ctx.spec.id
-    READY.labels(model=model).set_function(lambda: float(ctx.ready()))
-    ENGINE_RUNNING.labels(model=model).set_function(lambda: ctx.engine.running())  # the engine may be replaced
+    settings = ctx.settings
+    for model in ctx.hosts.slots:  # a worker of several models claims for each while it is ready
+        READY.labels(model=model).set_function(lambda: float(ctx.ready()))
+        ENGINE_RUNNING.labels(model=model).set_function(lambda m=model: ctx.hosts.running(m))  # loaded or not
     if not settings.worker_metrics_port:
         return None
     handler = type("Handler", (_Handler,), {"ready": staticmethod(ctx.ready)})

@@ -56,12 +56,30 @@ def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
         except (OSError, ValueError):
             continue  # exited meanwhile, or not ours to read or kill
         killed.append(pid)
-    deadline = time.monotonic() + timeout
-    while any(_alive(pid) for pid in killed):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"stale engine processes did not exit: {killed}")
-        time.sleep(0.1)
+    wait_gone(killed, timeout)
     return killed
+
+
+def engine_processes(pids) -> set[int]:
+    """Those of ``pids`` an engine owns: not multiprocessing's resource tracker, which the whole process
+    shares (started by the first engine, used by the next)."""
+    owned = set()
+    for pid in pids:
+        try:
+            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                owned.add(pid)
+        except OSError:
+            continue  # gone already
+    return owned
+
+
+def wait_gone(pids, timeout: float = 10.0) -> None:
+    """Until every one of ``pids`` has exited (a zombie counts as gone); TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine processes did not exit: {sorted(pids)}")
+        time.sleep(0.1)
 
 
 def kill(pids) -> None:

@@ -76,12 +76,12 @@ def _take_over(ctx: WorkerContext, task_id: str, attempt: int, owner: str) -> No
             session.execute(text("SET LOCAL lock_timeout = '2s'"))
         send, publish = lifecycle.hand_on(session, task_id, error=error, attempt=attempt,
                                           owner_expired_after=ctx.settings.lease_seconds)
-        model = session.get(Task, task_id).model if send else None
+        model = session.get(Task, task_id).model
     if send or publish:
         log.info("took over %s from %s (lease expired)", task_id, owner)
-        metrics.TAKEOVERS.labels(model=ctx.spec.id).inc()
+        metrics.TAKEOVERS.labels(model=model).inc()
     ctx.publisher.publish_many(publish)
-    if model is not None:
+    if send:
         dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
 
 
@@ -110,15 +110,16 @@ def fail_abandoned_direct(ctx: WorkerContext) -> None:
     ctx.write(lambda session: (lifecycle.fail_abandoned_direct(session, older_than), {}))
 
 
-def redispatch_lost(ctx: WorkerContext, force: bool = False) -> None:
-    """Tasks of this model whose broker message may be lost are sent again, each on its own clock;
+def redispatch_lost(ctx: WorkerContext, model: str, force: bool = False) -> None:
+    """Tasks of ``model`` whose broker message may be lost are sent again, each on its own clock;
     all at once when the broker restarted (``force``: it keeps nothing). The claim makes a copy harmless."""
-    ids = ctx.write(lambda s: (lifecycle.due_dispatches(s, ctx.spec.id, ctx.settings.requeue_after_seconds,
+    ids = ctx.write(lambda s: (lifecycle.due_dispatches(s, model, ctx.settings.requeue_after_seconds,
                                                         force=force), {}))[0]
     if ids:
-        log.info("re-sending %d broker messages%s", len(ids), " (the broker restarted)" if force else "")
+        log.info("re-sending %d broker messages of %s%s", len(ids), model,
+                 " (the broker restarted)" if force else "")
     for task_id in ids:
-        dispatch(ctx.celery, ctx.spec.queue, {"task_id": task_id}, BACKGROUND)
+        dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND)
 
 
 def enforce_retention(ctx: WorkerContext) -> None:
@@ -163,9 +164,10 @@ def heartbeat(ctx: WorkerContext, stopped: bool = False, boot: bool = False) -> 
         return  # a worker that cannot log events must look dead, so its tasks are taken over
     try:
         with transaction(ctx.sessions) as session:
-            liveness.heartbeat(session, ctx.worker_id, ctx.spec.id, ctx.started_at, running=ctx.engine.running(),
-                                ready=ctx.ready(), state=ctx.state(), tokens_per_second=ctx.tokens.per_second(),
-                                stopped=stopped, boot=boot)
+            liveness.heartbeat(session, ctx.worker_id, list(ctx.hosts.slots), ctx.started_at,
+                               running=ctx.hosts.running(), ready=ctx.ready(), loaded=ctx.hosts.loaded(),
+                               state=ctx.state(), tokens_per_second=ctx.tokens.per_second(),
+                               stopped=stopped, boot=boot)
     except SQLAlchemyError:
         ctx.db_ok_since = None
         raise
@@ -177,24 +179,43 @@ def heartbeat(ctx: WorkerContext, stopped: bool = False, boot: bool = False) -> 
         log.critical("another process took worker id %s over; this one exits (give each worker its own "
                      "LMSP_WORKER_ID)", ctx.worker_id)
         ctx.stopping.set()
-        ctx.engine.shutdown()
+        ctx.hosts.close()
         os._exit(72)
     if ctx.db_ok_since is None:
         ctx.db_ok_since = time.monotonic()
+
+
+def announce(ctx: WorkerContext) -> None:
+    """The loaded models changed: the worker's row says so now, not at the next heartbeat."""
+    try:
+        heartbeat(ctx)
+    except SQLAlchemyError:
+        log.warning("the database is away; the next heartbeat records the loaded models")
 
 
 ENGINE_RELOAD_SECONDS = 600  # a dead engine not replaced by then: the process exits (code 71)
 
 
 def watch_engine(ctx: WorkerContext) -> None:
-    """A dead engine makes this worker stop claiming (its running attempts are handed on by their
-    policy, in their own threads), then a new engine is loaded; a writer that died ends the process."""
+    """A writer that died ends the process. A worker of one model: a dead engine makes it stop claiming
+    (its running attempts are handed on by their policy, in their own threads), then a new engine is
+    loaded. A worker of several: a dead engine is unloaded once its attempts are handed on (work for
+    its model loads it again), and a model idle for the keep-alive is unloaded."""
     if not ctx.writer.alive:
         log.critical("event writer is gone; exiting so a supervisor restarts this worker")
         ctx.stopping.set()
-        ctx.engine.shutdown()
+        ctx.hosts.close()
         os._exit(70)
-    if not ctx.engine.dead or ctx.stopping.is_set():
+    if ctx.stopping.is_set():
+        return
+    if not ctx.hosts.pinned:
+        for model in ctx.hosts.drop_dead():
+            log.error("the engine of %s died; unloaded (work for it loads it again)", model)
+            kill_stale_engines(ctx.worker_id)  # what the dead core left behind (its model worker) holds memory
+        ctx.hosts.expire()
+        return
+    slot = ctx.hosts.primary
+    if not slot.engine.dead:
         return
     # Every pass until a new engine is loaded: one that failed half-way (the database away, a stale
     # engine that would not die) must not leave the worker alive, healthy-looking and engineless.
@@ -215,12 +236,8 @@ def watch_engine(ctx: WorkerContext) -> None:
     while ctx.running_ids() and time.monotonic() < deadline:
         time.sleep(0.2)  # each attempt sees the engine error and hands its task on
     try:
-        ctx.engine.shutdown()
-    except Exception:  # noqa: BLE001 - it is dead already
-        log.warning("shutting the dead engine down failed", exc_info=True)
-    kill_stale_engines(ctx.worker_id)  # what the dead core left behind (its model worker) holds memory
-    try:
-        ctx.engine = ctx.new_engine()
+        # What the dead core left behind (its model worker) holds memory: ended before the new load.
+        ctx.hosts.replace(slot, cleanup=lambda: kill_stale_engines(ctx.worker_id))
     except Exception:  # noqa: BLE001
         log.critical("cannot load a new engine; exiting so a supervisor restarts this worker", exc_info=True)
         ctx.stopping.set()
@@ -246,7 +263,7 @@ def drain(ctx: WorkerContext) -> None:
         time.sleep(0.2)
     late = _hand_on_own(ctx, None)
     fail_direct(ctx, [ctx.worker_id])  # a direct stream cannot move: its client retries elsewhere
-    metrics.DRAIN_SECONDS.labels(model=ctx.spec.id).observe(time.monotonic() - started)
+    metrics.DRAIN_SECONDS.labels(model=ctx.label).observe(time.monotonic() - started)
     log.info("drained in %.1f s; %d tasks handed on at once, %d at the end", time.monotonic() - started,
              early, late)
 
@@ -303,8 +320,9 @@ def sweep(ctx: WorkerContext) -> None:
     if my_turn(ctx, "abandoned-direct"):
         fail_abandoned_direct(ctx)
     force = ctx.broker_restarted()  # each worker notices that itself: never gated
-    if force or my_turn(ctx, f"dispatch:{ctx.spec.id}"):
-        redispatch_lost(ctx, force)
+    for model in ctx.hosts.slots:
+        if force or my_turn(ctx, f"dispatch:{model}"):
+            redispatch_lost(ctx, model, force)
     if my_turn(ctx, "retention"):
         enforce_retention(ctx)
 

@@ -11,6 +11,7 @@ import time
 from functools import partial
 from types import SimpleNamespace
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from common import events, lifecycle, logs, timeline
@@ -21,12 +22,13 @@ from common.lifecycle import Attempt, Fenced
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest
 from common.registry import queue_name
-from common.states import TASK_OUTCOME, R
+from common.states import LIVE, QUEUED, TASK_OUTCOME, R
 from common.tables import Response, Task
 from worker import metrics
 from worker.context import WorkerContext
 from worker.gate import GenParams
 from worker.output import OutputBuilder
+from worker.residency import Closed
 
 log = logging.getLogger("lmsp.runner")
 TASK_PRIORITY, DIRECT_PRIORITY = 1, 0  # vLLM serves lower values first: people at a screen go first
@@ -50,8 +52,10 @@ class EngineLost(Exception):
 
 
 class Job:
-    def __init__(self, ctx: WorkerContext, attempt: Attempt, response: Response, last_seq: int):
+    def __init__(self, ctx: WorkerContext, attempt: Attempt, response: Response, last_seq: int, engine):
         self.ctx = ctx
+        self.spec = ctx.spec(response.model)
+        self.engine = engine
         self.attempt = attempt
         self.rid = response.id
         self.response = response
@@ -91,7 +95,7 @@ class Job:
 
     def builder(self) -> OutputBuilder:
         mode = {"none": "text", "auto": "tool_auto"}.get(tool_mode(self.req), "tool_forced")
-        return OutputBuilder(self.rid, mode, reasoning=self.ctx.spec.reasoning_parser is not None)
+        return OutputBuilder(self.rid, mode, reasoning=self.spec.reasoning_parser is not None)
 
     def run(self, builder: OutputBuilder, prior_output_tokens: int = 0, prompt_ids: list[int] | None = None) -> None:
         """``prompt_ids``: the prompt as the api tokenized it (a direct request's message), used instead
@@ -103,11 +107,11 @@ class Job:
 
     def _run(self, builder: OutputBuilder, prior_output_tokens: int, prompt_ids: list[int] | None) -> None:
         ctx, settings, entry = self.ctx, self.ctx.settings, self.entry
-        engine = ctx.engine
+        engine = self.engine
         tokenizer = engine.tokenizer()
         max_tokens = self.response.max_tokens - prior_output_tokens
         schema = tool_call_schema(self.req) or self.req.json_schema
-        temperature = self.req.temperature if self.req.temperature is not None else ctx.spec.default_temperature
+        temperature = self.req.temperature if self.req.temperature is not None else self.spec.default_temperature
         params = GenParams(max_tokens=max(max_tokens, 1), temperature=temperature, json_schema=schema,
                            priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY, rank=self.rank)
         prompt = prompt_ids if prompt_ids and not builder.raw else render(tokenizer, self.req,
@@ -122,6 +126,7 @@ class Job:
         began = first_token_at = time.monotonic()
         with ctx.lock:
             entry.request_id = f"{self.rid}:{self.attempt.number}:{time.monotonic_ns()}"
+            entry.engine = engine
         submitted_at = time.time()
         try:
             if max_tokens <= 0:
@@ -163,7 +168,7 @@ class Job:
             log.exception("generation failed for %s", self.rid)
             error = problem("generation_failed", f"The engine failed: {type(exc).__name__}")
         if started:
-            metrics.observe_generation(ctx.spec.id, "task" if self.attempt.task_id else "direct",
+            metrics.observe_generation(self.spec.id, "task" if self.attempt.task_id else "direct",
                                        first_token_at - began, output_tokens - prior_output_tokens,
                                        time.monotonic() - first_token_at)
         if entry.fenced:
@@ -200,7 +205,7 @@ class Job:
                 publish = ctx.write(lambda s: self._finish(s, status, emitted, output, usage, error, lag))
                 if self.attempt.task_id is not None:
                     final = json.loads(next(iter(publish.values()))[-1][2])  # a cancel may have won
-                    metrics.TASKS_FINISHED.labels(model=ctx.spec.id, status=TASK_OUTCOME[final["status"]]).inc()
+                    metrics.TASKS_FINISHED.labels(model=self.spec.id, status=TASK_OUTCOME[final["status"]]).inc()
                     self._observe_timeline()
                 return
         except IntegrityError:
@@ -226,7 +231,7 @@ class Job:
         """This attempt's phases as this process saw them (up to its final transaction)."""
         if self.created_at is not None and "claimed_at" in self.points:
             point = SimpleNamespace(**{name: self.points.get(name) for name in timeline.POINTS})
-            metrics.observe_timeline(self.ctx.spec.id, timeline.durations(
+            metrics.observe_timeline(self.spec.id, timeline.durations(
                 self.created_at, self.points["finished_at"], [point]))
 
 
@@ -236,39 +241,70 @@ def _trace(rid: str, batch, since: float, tokens: int) -> None:
         f.writelines(f"{rid} {seq} {since:.6f} {tokens if i == 0 else 0}\n" for i, seq in enumerate(deltas))
 
 
-def run_task(ctx: WorkerContext, task_id: str) -> None:
+def run_task(ctx: WorkerContext, task_id: str, model: str | None = None) -> None:
     """A broker delivery: claim its task if handed on mid-run, else the queue's next in fair-share order
-    (lifecycle.claim); nothing when the queue is empty (a duplicate, a cancelled task's message)."""
+    (lifecycle.claim); nothing when the queue is empty (a duplicate, a cancelled task's message).
+    ``model``: the task's, as its queue says (else read from the database)."""
     with logs.bound(task_id=task_id):
-        _run_task(ctx, task_id)
+        if model is None:
+            with ctx.sessions() as session:
+                model = session.execute(select(Task.model).where(Task.id == task_id)).scalar()
+        if model not in ctx.hosts.slots:
+            log.warning("task %s is not of a model this worker serves (%s); dropped", task_id, model)
+            return
+        if model not in ctx.hosts.loaded() and not _claimable(ctx, task_id, model):
+            return  # nothing a claim could take (a copy of a message whose work ran): no model load for it
+        _run_task(ctx, task_id, model)
 
 
-def _run_task(ctx: WorkerContext, task_id: str) -> None:
+def _claimable(ctx: WorkerContext, task_id: str, model: str) -> bool:
+    """Whether a claim could take a task now: the message's own, handed on and unowned, or any queued
+    task of its model (the claim takes the queue's next in fair-share order, not always the message's)."""
+    with ctx.sessions() as session:
+        own = session.execute(select(Task.status, Task.worker_id).where(Task.id == task_id)).one_or_none()
+        if own is not None and own.status in LIVE and own.worker_id is None:
+            return True
+        return session.execute(select(Task.id).where(Task.model == model, Task.status == QUEUED)
+                               .limit(1)).first() is not None
+
+
+def _run_task(ctx: WorkerContext, task_id: str, model: str) -> None:
     if not ctx.ready():
         # Not claiming (engine down, draining): give the message back for another worker, or for us
         # once ready again, without spinning.
         ctx.stopping.wait(1.0)
-        dispatch(ctx.celery, ctx.spec.queue, {"task_id": task_id}, BACKGROUND)
+        dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND)
         return
+    try:
+        # A cold model is loaded first (worker/residency.py): the task stays queued meanwhile, so a
+        # worker that stops or unloads the model before its turn loses nothing (the load shows in the
+        # timeline's queue phase).
+        with ctx.hosts.use(model, ctx.stopping) as engine:
+            _claim_and_run(ctx, task_id, model, engine)
+    except Closed:
+        raise EngineStopped() from None
+
+
+def _claim_and_run(ctx: WorkerContext, task_id: str, model: str, engine) -> None:
     points = {"delivered_at": time.time()}
     tries = 0
 
     def claim(session):
         nonlocal tries
         tries += 1  # a replay: the first commit's reply may have been lost after it committed
-        return _claim(session, ctx, task_id, points, retried=tries > 1)
+        return _claim(session, ctx, task_id, model, points, retried=tries > 1)
 
     claimed = ctx.write(claim)[0]
     if claimed is None or ctx.running(claimed.attempt):
         return  # a thread here runs this very attempt: its claim was lost by a database crash, then redone
     with logs.bound(task_id=claimed.task.id):  # not always the message's own
-        _run_claimed(ctx, claimed, points)
+        _run_claimed(ctx, claimed, points, engine)
 
 
-def _run_claimed(ctx: WorkerContext, claimed, points: dict) -> None:
+def _run_claimed(ctx: WorkerContext, claimed, points: dict, engine) -> None:
     task_id = claimed.task.id
     try:
-        job = Job(ctx, claimed.attempt, claimed.response, claimed.log[-1][0] if claimed.log else 1)
+        job = Job(ctx, claimed.attempt, claimed.response, claimed.log[-1][0] if claimed.log else 1, engine)
         job.created_at, job.points, job.rank = claimed.task.created_at, points, claimed.task.virtual_finish
         builder = job.builder()
         prior_tokens = 0
@@ -277,7 +313,7 @@ def _run_claimed(ctx: WorkerContext, claimed, points: dict) -> None:
                 # The snapshot is the latest attempt's logged output (6: resume is real).
                 for _, name, data in _latest_attempt(claimed.log):
                     builder.replay(name, json.loads(data))
-                prior_tokens = count_tokens(ctx.engine.tokenizer(), builder.raw) if builder.raw else 0
+                prior_tokens = count_tokens(engine.tokenizer(), builder.raw) if builder.raw else 0
             else:
                 # Constrained output cannot continue a partial JSON: a fresh attempt, marked as one and
                 # numbered as a client counts them (the fencing token also counts hand-overs).
@@ -287,7 +323,7 @@ def _run_claimed(ctx: WorkerContext, claimed, points: dict) -> None:
     except EngineStopped:
         raise  # the task stays with its attempt: the drain or the next boot hands it on
     except Exception as exc:  # noqa: BLE001 - a bug must not leave a claimed task unfinished forever
-        if isinstance(exc, EngineLost) or ctx.engine.dead or not ctx.engine_ok.is_set():
+        if isinstance(exc, EngineLost) or engine.dead or not ctx.engine_ok.is_set():
             crashed = isinstance(exc, EngineLost) and exc.prefilling
             hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed",
                     unstarted_again=True, crashed_after=ctx.settings.max_attempts if crashed else None)
@@ -300,9 +336,9 @@ def _run_claimed(ctx: WorkerContext, claimed, points: dict) -> None:
             pass
 
 
-def _claim(session, ctx: WorkerContext, task_id: str, points: dict, retried: bool = False):
+def _claim(session, ctx: WorkerContext, task_id: str, model: str, points: dict, retried: bool = False):
     """The claim, and its attempt's first points on the timeline, in one transaction."""
-    claimed, publish = lifecycle.claim(session, task_id, ctx.worker_id, model=ctx.spec.id, retried=retried,
+    claimed, publish = lifecycle.claim(session, task_id, ctx.worker_id, model=model, retried=retried,
                                        busy=frozenset(ctx.running_ids()))
     if claimed is not None:
         points["claimed_at"] = time.time()
@@ -332,17 +368,21 @@ def hand_on(ctx: WorkerContext, task_id: str, attempt: int | None, why: str, **k
         dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
 
 
-def run_direct(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | None = None) -> None:
+def run_direct(ctx: WorkerContext, model: str, response_id: str, prompt_ids: list[int] | None = None) -> None:
     with logs.bound(response_id=response_id):
-        _run_direct(ctx, response_id, prompt_ids)
+        try:
+            with ctx.hosts.use(model, ctx.stopping) as engine:  # loaded first if cold: worker/interactive.py
+                _run_direct(ctx, model, engine, response_id, prompt_ids)
+        except Closed:
+            raise EngineStopped() from None
 
 
-def _run_direct(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | None) -> None:
-    claimed = ctx.write(lambda s: lifecycle.claim_direct(s, response_id, ctx.worker_id, ctx.spec.id))
+def _run_direct(ctx: WorkerContext, model: str, engine, response_id: str, prompt_ids: list[int] | None) -> None:
+    claimed = ctx.write(lambda s: lifecycle.claim_direct(s, response_id, ctx.worker_id, model))
     if claimed is None:
         return
     attempt, response = claimed
-    job = Job(ctx, attempt, response, 0)
+    job = Job(ctx, attempt, response, 0, engine)
     job.emit([(events.CREATED, events.created(response_id))])
     try:
         job.run(job.builder(), prompt_ids=prompt_ids)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from common import logs
 from common.errors import LMSPError
 from common.registry import Registry
-from common.settings import get_settings
+from common.settings import ConfigError, get_settings
 
 log = logging.getLogger("lmsp.supervisor")
 _PR_SET_PDEATHSIG = 1
@@ -152,27 +152,33 @@ class Supervisor:
         return 0
 
 
-def worker_argv(model: str, tensor_parallel: int = 1) -> list[str]:
-    return [sys.executable, "-m", "worker", "--model", model, "--tensor-parallel", str(tensor_parallel)]
+def worker_argv(models: str, tensor_parallel: int = 1) -> list[str]:
+    """``models``: one id, or several: ``a,b``."""
+    return [sys.executable, "-m", "worker", "--model", models, "--tensor-parallel", str(tensor_parallel)]
 
 
-def main(model: str, gpus: str, tensor_parallel: int = 1) -> int:
+def main(model: str | None, gpus: str, tensor_parallel: int = 1) -> int:
+    from worker.main import model_list
+
     logs.setup()
     settings = get_settings()
     try:
-        Registry.load(settings.models_path).get(model)
+        models = model_list(model)
+        registry = Registry.load(settings.models_path)
+        for model_id in models:
+            registry.get(model_id)
         groups = group_gpus(parse_gpus(gpus), tensor_parallel)
     except LMSPError as exc:
         sys.exit(f"lmsp worker: {exc.detail} (registry: {settings.models_path})")
-    except ValueError as exc:
+    except (ValueError, ConfigError) as exc:
         sys.exit(f"lmsp worker: {exc}")
-    return Supervisor(worker_argv(model, tensor_parallel), groups, metrics_port=settings.worker_metrics_port).run()
+    return Supervisor(worker_argv(",".join(models), tensor_parallel), groups, metrics_port=settings.worker_metrics_port).run()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m worker.supervisor",
                                      description="one worker per GPU of this host for one model")
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="a model id, or several: a,b (default: LMSP_WORKER_MODELS)")
     parser.add_argument("--gpus", required=True, help="'all' (what nvidia-smi -L lists) or indices: 0,1,2,3")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per worker (one engine over them)")
     args = parser.parse_args()

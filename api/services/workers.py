@@ -9,7 +9,7 @@ def worker_list(states: list[WorkerState], each: bool) -> wire.WorkerList:
     """Per model and in total; ``each``: every worker too (scope admin: ids name hosts)."""
     models: dict[str, dict] = {}
     for w in states:
-        for model in dict.fromkeys([w.model, *w.models_loaded]):
+        for model in dict.fromkeys([*w.models, *w.models_loaded]):
             entry = models.setdefault(model, {"workers": dict.fromkeys(wire.WorkerStates.model_fields, 0),
                                               "loaded_on": 0})
             entry["workers"][w.state] += 1

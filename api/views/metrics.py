@@ -45,9 +45,9 @@ class ServiceFigures:
             workers = liveness.worker_states(session, self.svc.settings.lease_seconds)
         for model, count in depth.items():
             queue.add_metric([model], count)
-        for w in workers:
-            up.add_metric([w.id, w.model], int(w.alive))
-            running.add_metric([w.id, w.model], w.running)
+        for worker in workers:
+            up.add_metric([worker.id, worker.model], int(worker.alive))
+            running.add_metric([worker.id, worker.model], worker.running)
         return [tasks, queue, up, running]
 
 

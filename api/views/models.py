@@ -4,7 +4,7 @@ from api.auth import require
 from api.extensions import services
 from api.services.models import model_object
 from common import wire
-from common.liveness import live_workers
+from common.liveness import live_workers, loaded_on
 
 bp = Blueprint("models", __name__, url_prefix=wire.API)
 
@@ -23,7 +23,8 @@ def _models(*specs) -> list[wire.Model]:
     svc = services()
     with svc.sessions() as session:
         workers = live_workers(session, svc.settings.lease_seconds)
-    return [model_object(spec, workers.get(spec.id, 0)) for spec in specs]
+        loaded = loaded_on(session, svc.settings.lease_seconds)
+    return [model_object(spec, workers.get(spec.id, 0), loaded.get(spec.id, [])) for spec in specs]
 
 
 @bp.get("/models")

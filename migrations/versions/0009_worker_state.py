@@ -3,14 +3,14 @@ generated tokens per second), both written with each heartbeat, for the dashboar
 an index for a principal's task list newest first, which the dashboard polls
 
 Revision ID: 0009
-Revises: 0007
+Revises: 0008
 Create Date: 2026-12-01
 """
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0009"
-down_revision = "0007"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

@@ -27,6 +27,9 @@ Figures (see ``__main__`` for the order they run in):
   their p99 queue wait / what their share entitles them to; throughput / FIFO on the same load; a
   weight-2 tenant's tokens / a weight-1 tenant's while both wait; the largest weighted service gap
   / the bound common/fairshare.py states.
+* S1-S3 many models on few GPUs (``tests/bench/models.py``): one worker of two models within a budget of
+  one engine: a cold model's first token beyond the engine's own load, what unloading the other model
+  adds to a switch, and two models' interleaved tasks ÷ one model's (tokens per second).
 * V1-V3 side by side with vLLM's own OpenAI server (same checkpoint, same resolved engine
   arguments): 64 x 128-token tasks / the same chat completions against it; 64 concurrent
   POST /responses / the same; TTFT p50 of 30 sequential 8-token streams minus its own.

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 from tests.bench import ONLY, REPS, enabled, fairness, select
+from tests.bench import models as models_bench
 from tests.bench.util import (
     Freezer,
     affinity,
@@ -76,6 +77,7 @@ FIGURES = {
     "B6": (f"interactive TTFT, {B6_QUEUED} queued + full batch ÷ idle", "<= 2"),
     "M1": ("api gunicorn workers peak RSS (VmHWM, each; lmsp serve's and B4b's)", "<= 200 MiB"),
     **fairness.FIGURES,
+    **models_bench.FIGURES,
 }
 
 
@@ -108,7 +110,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="lmsp-bench-"))
     log(f"reps={REPS}; figures {sorted(ONLY) or 'all'}; redis {REDIS_URL}; logs in {tmp}")
     db_url = create_database("lmsp_bench")
-    stack = None
+    stack, pair = None, []
     meta: dict = {"reps": REPS, "served_model": served, "parked_model": parked, "logs": str(tmp)}
     try:
         upgrade(db_url)
@@ -117,8 +119,10 @@ def main() -> int:
         resolved = resolve_engine(ModelSpec(**entry), machine)  # what the worker will run
         meta["engine"] = {**resolved.resolved, "args": resolved.args}
         log(f"engine settings: {resolved.summary()}; args {resolved.args}")
+        pair = models_bench.entries(model_entry, tag, ENGINE_ARGS, KV_CACHE_GIB)  # S1-S3: one worker, two models
         stack = Stack(tmp, db_url, redis=True, models=[
-            entry, model_entry(parked, engine=dict(ENGINE_ARGS), kv_cache_gib=KV_CACHE_GIB, queue_depth=10**7)])
+            entry, model_entry(parked, engine=dict(ENGINE_ARGS), kv_cache_gib=KV_CACHE_GIB, queue_depth=10**7),
+            *pair])
         stack.env.update(PRODUCTION_ENV)
         stack.env.update(LIMITS_ENV)
         stack.env["LMSP_TRACE_TOKEN_TIMES"] = str(tmp / "token-times.log")  # B4: each delta's engine token time
@@ -164,6 +168,13 @@ def main() -> int:
             finally:
                 sides.close()
         memory(run, table)
+
+        # ---- phase 3: a worker of two models, alone (phase 2's engines have stopped) -----------------------
+        if any(enabled(f) for f in ("S1", "S2", "S3")):
+            if run.worker_proc is not None:
+                stack.stop(run.worker_proc)
+            guarded(table, figs("S1", "S2", "S3"),
+                    lambda: models_bench.model_switch(run, table, *(m["id"] for m in pair)), log)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - still print what was measured, and fail
         import traceback
         traceback.print_exc()
@@ -174,7 +185,7 @@ def main() -> int:
         if stack is not None:
             log("stopping processes")
             stack.close()
-        cleanup_redis(REDIS_URL, [served, parked])
+        cleanup_redis(REDIS_URL, [served, parked, *(m["id"] for m in pair)])
         drop_database(db_url)
     for fid, name, goal in figs(*FIGURES):  # whatever aborted, nothing enabled is silently missing
         if not table.has(fid):

@@ -17,6 +17,7 @@ from tests.harness import model_entry
 from worker import runner
 from worker.context import WorkerContext
 from worker.gate import Delta
+from worker.residency import Residency, Slot
 from worker.writer import EventWriter
 
 MODEL = "smollm2:harden"
@@ -43,6 +44,9 @@ class ScriptedEngine:
 
     def running(self):
         return 0
+
+    def shutdown(self):
+        pass
 
 
 class Recorder:
@@ -72,10 +76,11 @@ def sessions(pg_url):
 
 def worker_ctx(sessions, pg_url, engine, publisher=None) -> WorkerContext:
     publisher = publisher or Recorder()
+    hosts = Residency([Slot(ModelSpec(**model_entry(MODEL)), 0.0, lambda: engine)], budget_gib=0, keep_alive=-1)
     ctx = WorkerContext(settings=Settings(database_url=pg_url), worker_id=f"w-{time.monotonic_ns()}",
-                        spec=ModelSpec(**model_entry(MODEL)), sessions=sessions, celery=None,
-                        publisher=publisher, writer=None, engine=engine)
+                        sessions=sessions, celery=None, publisher=publisher, writer=None, hosts=hosts)
     ctx.writer = EventWriter(sessions, publisher, ctx.lose, ctx.stopping)
+    hosts.load(MODEL, ctx.stopping)
     ctx.engine_ok.set()
     return ctx
 
@@ -104,7 +109,7 @@ def test_a_direct_response_whose_output_the_database_refuses_ends_failed(session
     ctx = worker_ctx(sessions, pg_url, ScriptedEngine(f"<tool_call>{call}</tool_call>"))
     rid = direct_response(sessions, tools=WEATHER)
     try:
-        runner.run_direct(ctx, rid)
+        runner.run_direct(ctx, MODEL, rid)
     finally:
         ctx.stopping.set()
         ctx.writer.stop()
@@ -127,7 +132,7 @@ def test_the_interactive_lane_claims_nothing_while_the_worker_is_not_ready(sessi
     ctx.celery = make_celery(Settings(home=tmp_path, database_url=pg_url))  # the filesystem broker
     ctx.draining.set()
     rid = direct_response(sessions)
-    interactive_wire.send(ctx.celery, ctx.spec.interactive_queue, rid)
+    interactive_wire.send(ctx.celery, ctx.spec(MODEL).interactive_queue, rid)
     try:
         interactive.start(ctx)
         time.sleep(2)
@@ -247,10 +252,9 @@ def test_the_engine_watch_reloads_after_a_pass_that_failed_half_way(sessions, pg
 
     dead = ScriptedEngine("")
     dead.dead = True
-    dead.shutdown = lambda: None
     loaded = []
     ctx = worker_ctx(sessions, pg_url, dead)
-    ctx.new_engine = lambda: loaded.append(ScriptedEngine("")) or loaded[-1]
+    ctx.hosts.primary.load = lambda: loaded.append(ScriptedEngine("")) or loaded[-1]
     ctx.sessions = session_factory(make_engine("postgresql://postgres@127.0.0.1:1/down"))  # refused
     try:
         try:
@@ -259,7 +263,7 @@ def test_the_engine_watch_reloads_after_a_pass_that_failed_half_way(sessions, pg
             pass  # the loop around it logs this and calls it again
         ctx.sessions = sessions  # Postgres is back
         recovery.watch_engine(ctx)
-        assert loaded and ctx.engine is loaded[-1] and ctx.engine_ok.is_set()
+        assert loaded and ctx.hosts.primary.engine is loaded[-1] and ctx.engine_ok.is_set()
     finally:
         ctx.stopping.set()
         ctx.writer.stop()

@@ -103,7 +103,7 @@ def test_takeover_needs_the_lease_expired_by_the_database_clock(sessions):
     task_id, _ = new_task(sessions, "fail")
     attempt = claim(sessions, task_id, "w-live").attempt
     with transaction(sessions) as session:
-        liveness.heartbeat(session, "w-live", "m", 1.0, running=1, ready=True, boot=True)
+        liveness.heartbeat(session, "w-live", ["m"], 1.0, running=1, ready=True, loaded=["m"], boot=True)
     with transaction(sessions) as session:  # a sweeper with a stale view of the lease
         assert lifecycle.hand_on(session, task_id, error={}, attempt=attempt.number,
                                  owner_expired_after=30) == (False, {})

@@ -38,7 +38,7 @@ class FakeWorker:
 
     def _beat(self, **kw) -> None:
         with self.sessions() as session:
-            liveness.heartbeat(session, self.id, self.model, self.started, running=0, ready=True, **kw)
+            liveness.heartbeat(session, self.id, [self.model], self.started, running=0, ready=True, loaded=[self.model], **kw)
             session.commit()
 
     def _loop(self) -> None:

@@ -79,8 +79,8 @@ def test_attempt_n_claimed_twice_fences_the_worker_whose_claim_was_lost(sessions
 def test_an_older_attempts_loss_does_not_stop_a_newer_attempt_here():
     from worker.context import WorkerContext
 
-    ctx = WorkerContext(settings=Settings(), worker_id="w1", spec=None, sessions=None, celery=None,
-                        publisher=None, writer=None, engine=None)
+    ctx = WorkerContext(settings=Settings(), worker_id="w1", sessions=None, celery=None,
+                        publisher=None, writer=None, hosts=None)
     older = lifecycle.Attempt("resp_1", "task_1", 1, "w1")
     newer = lifecycle.Attempt("resp_1", "task_1", 3, "w1")
     entry = ctx.register(newer)

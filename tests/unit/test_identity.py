@@ -23,7 +23,7 @@ def sessions(tmp_path):
 
 def beat(sessions, worker_id, started_at, **kw):
     with transaction(sessions) as session:
-        liveness.heartbeat(session, worker_id, "m", started_at, running=0, ready=True, **kw)
+        liveness.heartbeat(session, worker_id, ["m"], started_at, running=0, ready=True, loaded=["m"], **kw)
 
 
 def test_a_second_process_with_a_live_workers_id_refuses_to_start(sessions):

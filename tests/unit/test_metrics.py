@@ -74,8 +74,8 @@ def test_api_metrics_count_tasks_queues_and_workers_from_the_database(app):
 def fake_ctx(port: int, ready: list[bool]):
     from common.settings import Settings
     settings = Settings(worker_metrics_host="127.0.0.1", worker_metrics_port=port)
-    return SimpleNamespace(settings=settings, spec=SimpleNamespace(id="fake:1"), ready=lambda: ready[0],
-                           engine=SimpleNamespace(running=lambda: 5))
+    return SimpleNamespace(settings=settings, ready=lambda: ready[0],
+                           hosts=SimpleNamespace(slots={"fake:1": None}, running=lambda model=None: 5))
 
 
 def test_worker_port_serves_readiness_and_prometheus_metrics():
