@@ -13,11 +13,12 @@ from flask import Blueprint, Response, request, stream_with_context
 from sqlalchemy import select
 
 from api import params
-from api.auth import hold_follower, hold_stream, principal, require, still_authorized, streamed
+from api.auth import hold_follower, hold_stream, principal, still_authorized, streamed
 from api.extensions import services
 from api.handover import Handover, can_detach
 from api.live import SHUTDOWN_NOTE, ShuttingDown, follow, stream_error, ws_accept
-from common import events
+from api.operations import bare_answer, operation, ref, sse_answer
+from common import events, wire
 from common.db import db_now
 from common.errors import LMSPError
 from common.lifecycle import followed_task
@@ -98,7 +99,15 @@ def _hand_over(task_id: str, response_id: str, after: int, *, ws: bool, status: 
 
 
 @bp.get("/<task_id>/events")
-@require("tasks:read")
+@operation("taskEvents", "Follow a task's events (SSE), resumable", tag="events", scope="tasks:read",
+           answers={200: sse_answer("The missed events, then live ones; closed after the final event",
+                                    "Server-sent events, each with an integer `id` (1, 2, ...), an `event` name "
+                                    "and a JSON `data` line")},
+           errors=[(400, "invalid_request", "unsupported_capability", "`after` or Last-Event-ID is not a "
+                    "non-negative integer; unsupported_capability: the task's model lacks event_resume"),
+                   (404, "task_not_found"),
+                   (410, "event_history_expired", "Fetch the final result with GET /lmsp/v1/tasks/{task_id}")],
+           params=["TaskId", "After", "LastEventId", "Ticket"])
 def sse(task_id: str):
     task_id, response_id, after = _open(task_id)
     if can_detach(request.environ):
@@ -133,7 +142,20 @@ def sse(task_id: str):
 # websocket=True: werkzeug routes only upgrade requests here, and answers others (or an upgrade
 # elsewhere) with WebsocketMismatch, a problem document (api/problems.py).
 @bp.get("/<task_id>/ws", websocket=True)
-@require("tasks:read")
+@operation("taskEventsWebSocket", "Follow a task's events over a WebSocket, resumable", tag="events",
+           scope="tasks:read",
+           answers={101: bare_answer("Switching protocols. One text frame per event (WebSocketFrame: "
+                                     "`{\"id\":n,\"event\":name,\"data\":{...}}`); the server closes with 1000 "
+                                     "after the final event; 1008 when the token is revoked, 1012 when the server "
+                                     "restarts, 1011 when the stream fails (reconnect with `after`).",
+                                     models=(wire.WebSocketFrame,), **{"x-lmsp-frame": ref("WebSocketFrame")})},
+           # Scope, task, capability, retention and `after` are checked before the handshake (``_open``),
+           # so they answer with a status, as on the SSE endpoint.
+           errors=[(400, "invalid_request", "unsupported_capability",
+                    "Not a WebSocket handshake (param names the header), or a bad `after`"),
+                   (404, "task_not_found"), (410, "event_history_expired")],
+           description="Same events and resumption (`after`, Last-Event-ID) as the SSE endpoint.",
+           params=["TaskId", "After", "LastEventId"])
 def ws(task_id: str):
     # Access first (404, 403, 410 ...), then the handshake: every refusal is an HTTP problem document.
     task_id, response_id, after = _open(task_id)

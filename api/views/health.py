@@ -2,19 +2,26 @@ from flask import Blueprint
 from sqlalchemy import text
 
 from api.extensions import services
+from api.operations import json_answer, operation
 from api.problems import problem_response
 from common.broker import queue_length
+from common import wire
 from common.errors import problem
 
 bp = Blueprint("health", __name__)
 
 
 @bp.get("/healthz")
+@operation("healthz", "Liveness probe", tag="health", scope=None,
+           answers={200: json_answer("The process is alive", wire.Health)})
 def healthz():
     return {"status": "ok"}
 
 
 @bp.get("/readyz")
+@operation("readyz", "Readiness probe: database and broker reachable", tag="health", scope=None,
+           answers={200: json_answer("Ready", wire.Readiness)},
+           errors=[(503, "overloaded", "Not ready: `checks` says which dependency failed.")])
 def readyz():
     svc = services()
     checks = {}

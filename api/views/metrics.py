@@ -8,8 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 
-from api.auth import require
 from api.extensions import Services, services
+from api.operations import media_answer, operation
 from common import liveness
 from common.tables import QueueCount, Task
 
@@ -52,7 +52,8 @@ class ServiceFigures:
 
 
 @bp.get("/metrics")
-@require("admin")
+@operation("metrics", "Prometheus metrics of all tenants: tasks by state, queues, workers", tag="health",
+           scope="admin", answers={200: media_answer("Prometheus text exposition format", "text/plain")})
 def metrics():
     registry = CollectorRegistry()
     registry.register(ServiceFigures(services()))
