@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from common import events, lifecycle, logs, timeline
 from common.broker import BACKGROUND, dispatch
 from common.errors import problem
-from common.events import dumps
+from common.events import Sequence
 from common.lifecycle import Attempt, Fenced
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest
@@ -50,13 +50,13 @@ class EngineLost(Exception):
 
 
 class Job:
-    def __init__(self, ctx: WorkerContext, attempt: Attempt, response: Response, last_seq: int):
+    def __init__(self, ctx: WorkerContext, attempt: Attempt, response: Response, seq: Sequence):
         self.ctx = ctx
         self.attempt = attempt
         self.rid = response.id
         self.response = response
         self.req = ResponseRequest.model_validate(response.request)
-        self.seq = last_seq
+        self.seq = seq  # this response's numbering, carried on from the log (or #1)
         self.logged = attempt.task_id is not None or ctx.log_direct
         self.entry = ctx.register(attempt)
         self.created_at: float | None = None  # the task's, for its timeline's phase metrics
@@ -65,15 +65,8 @@ class Job:
         self.window_tokens = 0
 
     # -- event plumbing ---------------------------------------------------------------------
-    def number(self, emitted) -> list[tuple[int, str, str]]:
-        batch = []
-        for name, data in emitted:
-            self.seq += 1
-            batch.append((self.seq, name, dumps(data)))
-        return batch
-
     def emit(self, emitted) -> None:
-        batch = self.number(emitted)
+        batch = self.seq.number(emitted)
         if not batch:
             return
         if not self.logged and not self.ctx.publisher.publish(self.rid, batch):
@@ -217,7 +210,7 @@ class Job:
             self.points["finished_at"] = time.time()
             timeline.record(session, self.attempt, last_token_at=self.points.get("last_token_at"),
                             finished_at=self.points["finished_at"], commit_lag=lag)
-        return lifecycle.finish(session, self.attempt, status, first_seq=self.seq + 1, emitted=emitted,
+        return lifecycle.finish(session, self.attempt, status, first_seq=self.seq.next, emitted=emitted,
                                 output=output, usage=usage, error=error, logged=self.logged)
 
     def _observe_timeline(self) -> None:
@@ -259,7 +252,7 @@ def _run_task(ctx: WorkerContext, task_id: str) -> None:
     if claimed is None or ctx.running(claimed.attempt):
         return  # a thread here runs this very attempt: its claim was lost by a database crash, then redone
     try:
-        job = Job(ctx, claimed.attempt, claimed.response, claimed.log[-1][0] if claimed.log else 1)
+        job = Job(ctx, claimed.attempt, claimed.response, claimed.sequence())
         job.created_at, job.points = claimed.task.created_at, points
         builder = job.builder()
         prior_tokens = 0
@@ -333,7 +326,7 @@ def _run_direct(ctx: WorkerContext, response_id: str, prompt_ids: list[int] | No
     if claimed is None:
         return
     attempt, response = claimed
-    job = Job(ctx, attempt, response, 0)
+    job = Job(ctx, attempt, response, Sequence())
     job.emit([(events.CREATED, events.created(response_id))])
     try:
         job.run(job.builder(), prompt_ids=prompt_ids)

@@ -105,7 +105,7 @@ class DirectWatch:
         else:
             name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                                       incomplete_details=row.incomplete_details)
-        closing = [(name, dumps(data))]  # numbered by the follower after the last event it sent
+        closing = [(name, dumps(data))]  # numbered by the follower (events.Sequence) after the last it sent
         if row is not None and row.worker_id is None:  # no worker took it, so none sent response.created:
             closing.insert(0, (events.CREATED, dumps(events.created(row.id))))  # a stream starts with it
         return closing

@@ -4,8 +4,8 @@ from sqlalchemy import text
 from api.extensions import services
 from api.operations import json_answer, operation
 from api.problems import problem_response
-from common.broker import queue_length
 from common import wire
+from common.broker import queue_length
 from common.errors import problem
 
 bp = Blueprint("health", __name__)
