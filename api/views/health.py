@@ -15,7 +15,7 @@ bp = Blueprint("health", __name__)
 @operation("healthz", "Liveness probe", tag="health", scope=None,
            answers={200: json_answer("The process is alive", wire.Health)})
 def healthz():
-    return {"status": "ok"}
+    return wire.Health().wire()
 
 
 @bp.get("/readyz")
@@ -37,7 +37,7 @@ def readyz():
     except Exception as exc:  # noqa: BLE001
         checks["broker"] = f"error: {type(exc).__name__}"
     if all(v == "ok" for v in checks.values()):
-        return {"status": "ready", "checks": checks}
+        return wire.Readiness(checks=wire.Checks(**checks)).wire()
     doc = problem("overloaded", "Not ready: " + ", ".join(f"{k} {v}" for k, v in checks.items()),
                   instance="/readyz", checks=checks)
     return problem_response(doc, {"Retry-After": "5"})
