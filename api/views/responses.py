@@ -111,8 +111,7 @@ def _replay(status: int, body: str, stream: bool) -> Response:
     """A finished request's outcome again (9.2); a stream's is kept as its response object."""
     if not stream or status != 200:
         return _answer(status, body)
-    frames = [events.sse(seq, name, events.dumps(data))
-              for seq, (name, data) in enumerate(events.of_response(json.loads(body)), 1)]
+    frames = [events.sse(*event) for event in events.Sequence().number(events.of_response(json.loads(body)))]
     return Response("".join(frames), content_type=events.SSE_TYPE, headers={"Cache-Control": "no-cache"})
 
 
