@@ -63,6 +63,8 @@ class Job:
         self.points: dict = {}  # this attempt's timeline so far (common/timeline.py), Unix seconds
         self.window_since = 0.0  # wall time of the oldest token not yet emitted (LMSP_TRACE_TOKEN_TIMES)
         self.window_tokens = 0
+        # The generation so far (``_run``, ``_generate``).
+        self.output_tokens, self.finish_reason, self.started, self.first_token_at = 0, None, False, 0.0
 
     # -- event plumbing ---------------------------------------------------------------------
     def emit(self, emitted) -> None:
