@@ -2,16 +2,14 @@
 
 import threading
 import time
-from functools import wraps
 
-from flask import Flask, Response, g, request
+from flask import Flask, Response, current_app, g, request
 
 from api.extensions import end_request_session, request_session, services
 from api.services import tickets
 from common.errors import LMSPError
 from common.tokens import authenticate, hash_secret, is_active, well_formed
 
-PUBLIC = {"health.healthz", "health.readyz", "static", "dashboard.index"}
 # Short requests whose view goes on in the session authentication opened (one connection checkout).
 ONE_SESSION = {"tasks.create", "responses.create"}
 
@@ -19,7 +17,7 @@ ONE_SESSION = {"tasks.create", "responses.create"}
 def init_app(app: Flask) -> None:
     @app.before_request
     def _authenticate():
-        if request.endpoint in PUBLIC or tickets.admit():  # admit: EventSource's stream ticket
+        if _public(request.endpoint) or tickets.admit():  # admit: EventSource's stream ticket
             return
         svc = services()
         header = request.headers.get("Authorization", "")
@@ -50,20 +48,16 @@ def init_app(app: Flask) -> None:
             release()
 
 
+def _public(endpoint: str | None) -> bool:
+    """The static files, and the routes whose operation (api/operations.py) asks no scope."""
+    described = getattr(current_app.view_functions.get(endpoint), "operation", None)
+    return endpoint == "static" or (described is not None and described.scope is None)
+
+
 def check_scope(scope: str) -> None:
     if scope not in g.identity.scopes:
         raise LMSPError("insufficient_scope", f"This needs scope {scope}", scope=scope,
                         headers={"WWW-Authenticate": f'Bearer error="insufficient_scope", scope="{scope}"'})
-
-
-def require(scope: str):
-    def decorate(view):
-        @wraps(view)
-        def wrapper(*args, **kwargs):
-            check_scope(scope)
-            return view(*args, **kwargs)
-        return wrapper
-    return decorate
 
 
 def principal() -> str:

@@ -39,7 +39,7 @@ import redis
 from common import eventlog
 from common.bus import HUB, channel, decode, response_of
 from common.errors import LMSPError, problem
-from common.events import ERROR, FINAL, HEARTBEAT, dumps, sse, sse_many, ws_frame
+from common.events import ERROR, FINAL, HEARTBEAT, Sequence, dumps, sse, sse_many, ws_frame
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.live")
@@ -539,7 +539,7 @@ class Follower:
             self.end(FINISHED)
         elif closing is not None:
             if closing:
-                self.sink.events(Batch([(self.last + 1 + i, name, data) for i, (name, data) in enumerate(closing)]))
+                self.sink.events(Batch(Sequence(self.last).number(closing)))
             self.end(FINISHED)
         elif (page and len(page) >= PAGE) or self.reread:
             self.reread, self.more = False, True

@@ -55,6 +55,12 @@ def _unnamed(status: int, name: str, detail: str) -> Response:
 
 
 def init_app(app: Flask) -> None:
+    _check_requests(app)
+    _answer_problems(app)
+
+
+def _check_requests(app: Flask) -> None:
+    """Before anything else: the protocol version and the body's size; after: every answer stamped."""
     @app.before_request
     def _version():
         asked = request.headers.get("LMSP-Version")
@@ -88,6 +94,9 @@ def init_app(app: Flask) -> None:
         resp.headers["LMSP-Version"] = VERSION
         return resp
 
+
+def _answer_problems(app: Flask) -> None:
+    """Every error, ours, HTTP's, the database's or a bug, answered as a problem document."""
     @app.errorhandler(LMSPError)
     def _lmsp(exc: LMSPError):
         return error_response(exc)

@@ -1,4 +1,4 @@
-"""The event format of spec 6.3: names, payload builders and the SSE wire form."""
+"""The event format of spec 6.3: names, payload builders, sequence numbers and the SSE wire form."""
 
 import json
 
@@ -31,6 +31,41 @@ def dumps(data: dict) -> str:
 
 def created(rid: str) -> dict:
     return {"response_id": rid, "status": "in_progress"}
+
+
+class Sequence:
+    """The numbering of one response's events (6.3: ids 1, 2, ... with no gap, ``response.created``
+    first), the only place a sequence number is made. Every writer of events numbers through one:
+    ``lifecycle.create_task`` event #1, the worker's job what it generates, ``lifecycle`` a final
+    event, a follower the closing events it makes up. It counts in memory, so numbering costs no
+    round trip; a writer that holds none starts one after the log's last event."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, last: int = 0):
+        self.last = last  # the highest number given so far
+
+    @classmethod
+    def opened(cls) -> "Sequence":
+        """After a task's ``response.created``, which ``lifecycle.create_task`` logged as #1."""
+        return cls(1)
+
+    @property
+    def next(self) -> int:
+        return self.last + 1
+
+    def number(self, emitted) -> list[tuple[int, str, str]]:
+        """(seq, name, data as JSON) for each (name, data) of ``emitted``, in order; ``data`` is a
+        payload, or its JSON already encoded (shared by many followers)."""
+        batch = [(self.last + i, name, data if isinstance(data, str) else dumps(data))
+                 for i, (name, data) in enumerate(emitted, 1)]
+        self.last += len(batch)
+        return batch
+
+
+def opening(rid: str) -> tuple[int, str, str]:
+    """Event #1 of every response."""
+    return Sequence().number([(CREATED, created(rid))])[0]
 
 
 def item_added(rid: str, index: int, item: dict) -> dict:

@@ -45,7 +45,20 @@ def convert_gguf(gguf_file: Path, out_dir: Path, progress: Callable[[str], None]
     if marker is not None and marker.get("sha256") == sha256:
         progress(f"{out_dir} is already imported from this file")
         return marker
+    model, tokenizer = _load(gguf_file, progress)
+    info = {
+        "architecture": type(model).__name__,
+        "context_window": int(model.config.max_position_embeddings),
+        "has_chat_template": bool(tokenizer.chat_template),
+        "sha256": sha256,
+    }
+    _save(model, tokenizer, info, out_dir, progress)
+    progress(f"imported {info['architecture']} into {out_dir}")
+    return info
 
+
+def _load(gguf_file: Path, progress: Callable[[str], None]):
+    """The GGUF's model, dequantized, and its tokenizer."""
     # Imported here: torch/transformers take seconds to import, which callers
     # that only hit the marker above should not pay.
     import torch
@@ -70,14 +83,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path, progress: Callable[[str], None]
     )
     # The GGUF tokenizer carries no length limit; the model's is the real one.
     tokenizer.model_max_length = model.config.max_position_embeddings
+    return model, tokenizer
 
-    info = {
-        "architecture": type(model).__name__,
-        "context_window": int(model.config.max_position_embeddings),
-        "has_chat_template": bool(tokenizer.chat_template),
-        "sha256": sha256,
-    }
 
+def _save(model, tokenizer, info: dict, out_dir: Path, progress: Callable[[str], None]) -> None:
+    """Write the checkpoint and its marker at out_dir, replacing what was there."""
     # Build next to out_dir (same filesystem) and rename at the end, so a
     # crash never leaves a half-written checkpoint at out_dir.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -102,8 +112,6 @@ def convert_gguf(gguf_file: Path, out_dir: Path, progress: Callable[[str], None]
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    progress(f"imported {info['architecture']} into {out_dir}")
-    return info
 
 
 def fetch_default_gguf(cache_dir: Path, progress: Callable[[str], None]) -> Path:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from common import eventlog, events, fairshare, liveness
 from common.db import Compiled, commit_lazily, db_now, run_batch
 from common.errors import LMSPError, problem
-from common.events import dumps
+from common.events import Sequence
 from common.ids import is_id, new_id
 from common.states import (
     CANCELLED,
@@ -151,8 +151,8 @@ def create_task(session: Session, response: Response, task: Task, room: Room | N
     have none, and nothing is written. ``also``: rows (not added to the session) written exactly when
     the task is. ``commit``: commit the transaction too, on Postgres in the same round trip, so no
     round trip of ours falls inside the locks."""
-    first = EventRow(response_id=response.id, seq=1, name=events.CREATED,
-                     data=dumps(events.created(response.id)), created_at=time.time())
+    seq, name, data = events.opening(response.id)
+    first = EventRow(response_id=response.id, seq=seq, name=name, data=data, created_at=time.time())
     steps = []
     if room is not None and session.get_bind().dialect.name == "postgresql":
         lock_order = sorted((f"principal:{task.principal_id}", f"model:{task.model}"))
@@ -185,13 +185,13 @@ def create_direct(session: Session, response: Response) -> Response:
 # -- the final event ----------------------------------------------------------------------------
 def _final(session: Session, response_id: str, status: R, *, first_seq: int | None = None, emitted=(),
            output=None, usage=None, error=None, logged: bool = True) -> list[Event]:
-    """Items still to emit + the one final event, numbered after the log (or ``first_seq``), and the
-    response row in its final state."""
+    """Items still to emit + the one final event, numbered from ``first_seq`` (the writer's own
+    ``Sequence``) or else after the log, and the response row in its final state."""
     incomplete = {"reason": "max_output_tokens"} if status == R.INCOMPLETE else None
     name, data = events.final(response_id, status, usage=usage if status != R.CANCELLED else None,
                               error=error, incomplete_details=incomplete)
-    seq = first_seq if first_seq is not None else eventlog.max_seq(session, response_id) + 1
-    batch = [(seq + i, n, dumps(d)) for i, (n, d) in enumerate([*emitted, (name, data)])]
+    seq = Sequence(first_seq - 1 if first_seq is not None else eventlog.max_seq(session, response_id))
+    batch = seq.number([*emitted, (name, data)])
     if logged:
         eventlog.append(session, response_id, batch)
     values = {"error": error, "incomplete_details": incomplete}
@@ -214,6 +214,10 @@ class Claim:
     response: Response
     log: list[Event]     # the response's events so far (a handed-on task continues after them)
     fresh: bool          # claimed from queued, not handed on mid-run
+
+    def sequence(self) -> Sequence:
+        """Numbering on after the log (a fresh claim's log, #1 alone, is not read again)."""
+        return Sequence(self.log[-1][0]) if self.log else Sequence.opened()
 
 
 def claim(session: Session, task_id: str, worker_id: str, *, model: str | None = None, retried: bool = False,

@@ -1,4 +1,4 @@
-"""The response (6.2) and task (7.1) objects of stored rows, as clients see them."""
+"""The response (6.2) and task (7.1) objects of stored rows, as clients see them (common/wire.py)."""
 
 from common import timeline, wire
 from common.states import FAILED, SUCCEEDED
@@ -16,7 +16,7 @@ def _response(r: Response) -> wire.Response:
         error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
 
 
-def task_object(t: Task, r: Response | None, event_resume: bool = True, attempts=()) -> dict:
+def task_object(t: Task, r: Response | None, event_resume: bool = True, attempts=()) -> wire.Task:
     """``event_resume``: whether the task's model offers its events endpoint (else no events_url);
     ``attempts``: its recorded attempts (common/timeline.py), for the timeline extension."""
     return wire.Task(
@@ -24,4 +24,4 @@ def task_object(t: Task, r: Response | None, event_resume: bool = True, attempts
         response_id=t.response_id, events_url=f"{wire.API}/tasks/{t.id}/events" if event_resume else None,
         on_restart=t.on_restart, response=_response(r) if t.status == SUCCEEDED and r is not None else None,
         error=t.error if t.status == FAILED else None,
-        extensions=timeline.extension(t.created_at, t.ended_at, list(attempts))).wire()
+        extensions=timeline.extension(t.created_at, t.ended_at, list(attempts)))

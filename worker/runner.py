@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from common import events, lifecycle, logs, timeline
 from common.broker import BACKGROUND, dispatch
 from common.errors import problem
-from common.events import dumps
+from common.events import Sequence
 from common.lifecycle import Attempt, Fenced
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest
@@ -52,7 +52,7 @@ class EngineLost(Exception):
 
 
 class Job:
-    def __init__(self, ctx: WorkerContext, attempt: Attempt, response: Response, last_seq: int, engine):
+    def __init__(self, ctx: WorkerContext, attempt: Attempt, response: Response, seq: Sequence, engine):
         self.ctx = ctx
         self.spec = ctx.spec(response.model)
         self.engine = engine
@@ -60,25 +60,20 @@ class Job:
         self.rid = response.id
         self.response = response
         self.req = ResponseRequest.model_validate(response.request)
-        self.seq = last_seq
+        self.seq = seq  # this response's numbering, carried on from the log (or #1)
         self.logged = attempt.task_id is not None or ctx.log_direct
         self.entry = ctx.register(attempt)
         self.created_at: float | None = None  # the task's, for its timeline's phase metrics
-        self.rank = 0.0  # the task's virtual finish: its place in the engine's admission (worker/gate.py)
         self.points: dict = {}  # this attempt's timeline so far (common/timeline.py), Unix seconds
         self.window_since = 0.0  # wall time of the oldest token not yet emitted (LMSP_TRACE_TOKEN_TIMES)
         self.window_tokens = 0
+        self.rank = 0.0  # the task's virtual finish: its place in the engine's admission (worker/gate.py)
+        # The generation so far (``_run``, ``_generate``).
+        self.output_tokens, self.finish_reason, self.started, self.first_token_at = 0, None, False, 0.0
 
     # -- event plumbing ---------------------------------------------------------------------
-    def number(self, emitted) -> list[tuple[int, str, str]]:
-        batch = []
-        for name, data in emitted:
-            self.seq += 1
-            batch.append((self.seq, name, dumps(data)))
-        return batch
-
     def emit(self, emitted) -> None:
-        batch = self.number(emitted)
+        batch = self.seq.number(emitted)
         if not batch:
             return
         if not self.logged and not self.ctx.publisher.publish(self.rid, batch):
@@ -106,58 +101,20 @@ class Job:
             self.ctx.release(self.attempt)
 
     def _run(self, builder: OutputBuilder, prior_output_tokens: int, prompt_ids: list[int] | None) -> None:
-        ctx, settings, entry = self.ctx, self.ctx.settings, self.entry
+        ctx, entry = self.ctx, self.entry
         engine = self.engine
-        tokenizer = engine.tokenizer()
         max_tokens = self.response.max_tokens - prior_output_tokens
-        schema = tool_call_schema(self.req) or self.req.json_schema
-        temperature = self.req.temperature if self.req.temperature is not None else self.spec.default_temperature
-        params = GenParams(max_tokens=max(max_tokens, 1), temperature=temperature, json_schema=schema,
-                           priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY, rank=self.rank)
-        prompt = prompt_ids if prompt_ids and not builder.raw else render(tokenizer, self.req,
-                                                                          continuation=builder.raw)
-        output_tokens, finish_reason, error = prior_output_tokens, None, None
-        # A person reading a stream gets every token at once; a task's log and a non-streamed response
-        # get them a few at a time: per event, a row, a publish and a wake-up of every follower.
-        streamed = self.attempt.task_id is None and self.req.stream
-        window = (settings.delta_window_ms if streamed else settings.task_delta_window_ms) / 1000
-        max_window_tokens = settings.delta_max_tokens
-        pending, pending_tokens, last_flush, started = "", 0, 0.0, False
-        began = first_token_at = time.monotonic()
+        params, prompt = self._request(builder, max_tokens, prompt_ids)
+        self.output_tokens, self.finish_reason, self.started, error = prior_output_tokens, None, False, None
+        began = self.first_token_at = time.monotonic()
         with ctx.lock:
             entry.request_id = f"{self.rid}:{self.attempt.number}:{time.monotonic_ns()}"
             entry.engine = engine
-        submitted_at = time.time()
         try:
             if max_tokens <= 0:
-                finish_reason = "length"
+                self.finish_reason = "length"
             elif not (entry.cancelled or entry.fenced):
-                for delta in engine.generate(entry.request_id, prompt, params):
-                    if not started:
-                        started, first_token_at = True, time.monotonic()
-                        marks = {"submitted_at": submitted_at, "admitted_at": delta.admitted_at,
-                                 "first_token_at": time.time()}
-                        if self.attempt.task_id is not None and not ctx.write(partial(self._start, marks=marks)):
-                            entry.cancelled = True
-                            break
-                    if _TOKEN_TIMES:
-                        self.window_since = self.window_since if pending_tokens else time.time()
-                        self.window_tokens = pending_tokens + delta.token_ids
-                    output_tokens += delta.token_ids
-                    ctx.tokens.add(delta.token_ids)
-                    pending += delta.text
-                    pending_tokens += delta.token_ids
-                    now = time.monotonic()
-                    if delta.finish_reason or now - last_flush >= window or pending_tokens >= max_window_tokens:
-                        self.emit(builder.feed(pending))
-                        pending, pending_tokens, last_flush = "", 0, now
-                    finish_reason = delta.finish_reason or finish_reason
-                    if entry.cancelled or entry.fenced or entry.write_error:
-                        break
-                if pending:
-                    self.emit(builder.feed(pending))
-                if started:
-                    self.points["last_token_at"] = time.time()
+                self._generate(builder, prompt, params)
         except Fenced:
             entry.fenced = True
         except Exception as exc:  # noqa: BLE001 - any engine failure ends the response as failed
@@ -167,26 +124,74 @@ class Job:
                 raise EngineLost(engine.failed_prefilling(entry.request_id)) from exc
             log.exception("generation failed for %s", self.rid)
             error = problem("generation_failed", f"The engine failed: {type(exc).__name__}")
-        if started:
+        if self.started:
             metrics.observe_generation(self.spec.id, "task" if self.attempt.task_id else "direct",
-                                       first_token_at - began, output_tokens - prior_output_tokens,
-                                       time.monotonic() - first_token_at)
+                                       self.first_token_at - began, self.output_tokens - prior_output_tokens,
+                                       time.monotonic() - self.first_token_at)
         if entry.fenced:
             return
-        if ctx.stopping.is_set() and not entry.cancelled and finish_reason is None:
+        if ctx.stopping.is_set() and not entry.cancelled and self.finish_reason is None:
             raise EngineStopped()
-        if entry.cancelled or finish_reason == "abort":
+        if entry.cancelled or self.finish_reason == "abort":
             status = R.CANCELLED
         elif error is not None:
             status = R.FAILED
-        elif finish_reason == "length":
+        elif self.finish_reason == "length":
             status = R.INCOMPLETE
         else:
             status = R.COMPLETED
         emitted = builder.finish() if status != R.FAILED else []
-        usage = {"input_tokens": self.response.input_tokens, "output_tokens": output_tokens,
-                 "total_tokens": self.response.input_tokens + output_tokens}
+        usage = {"input_tokens": self.response.input_tokens, "output_tokens": self.output_tokens,
+                 "total_tokens": self.response.input_tokens + self.output_tokens}
         self.finish(status, emitted, builder.items, usage, error)
+
+    def _request(self, builder: OutputBuilder, max_tokens: int, prompt_ids: list[int] | None):
+        """The engine's parameters and the prompt: rendered again when output is to be continued."""
+        schema = tool_call_schema(self.req) or self.req.json_schema
+        temperature = self.req.temperature if self.req.temperature is not None else self.spec.default_temperature
+        params = GenParams(max_tokens=max(max_tokens, 1), temperature=temperature, json_schema=schema,
+                           priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY, rank=self.rank)
+        prompt = prompt_ids if prompt_ids and not builder.raw else render(self.engine.tokenizer(), self.req,
+                                                                          continuation=builder.raw)
+        return params, prompt
+
+    def _generate(self, builder: OutputBuilder, prompt, params: GenParams) -> None:
+        """The engine's deltas as events, a window of tokens at a time, until it finishes or the
+        response is cancelled, fenced or cannot be written."""
+        ctx, settings, entry = self.ctx, self.ctx.settings, self.entry
+        # A person reading a stream gets every token at once; a task's log and a non-streamed response
+        # get them a few at a time: per event, a row, a publish and a wake-up of every follower.
+        streamed = self.attempt.task_id is None and self.req.stream
+        window = (settings.delta_window_ms if streamed else settings.task_delta_window_ms) / 1000
+        max_window_tokens = settings.delta_max_tokens
+        pending, pending_tokens, last_flush = "", 0, 0.0
+        submitted_at = time.time()
+        for delta in self.engine.generate(entry.request_id, prompt, params):
+            if not self.started:
+                self.started, self.first_token_at = True, time.monotonic()
+                marks = {"submitted_at": submitted_at, "admitted_at": delta.admitted_at,
+                         "first_token_at": time.time()}
+                if self.attempt.task_id is not None and not ctx.write(partial(self._start, marks=marks)):
+                    entry.cancelled = True
+                    break
+            if _TOKEN_TIMES:
+                self.window_since = self.window_since if pending_tokens else time.time()
+                self.window_tokens = pending_tokens + delta.token_ids
+            self.output_tokens += delta.token_ids
+            ctx.tokens.add(delta.token_ids)
+            pending += delta.text
+            pending_tokens += delta.token_ids
+            now = time.monotonic()
+            if delta.finish_reason or now - last_flush >= window or pending_tokens >= max_window_tokens:
+                self.emit(builder.feed(pending))
+                pending, pending_tokens, last_flush = "", 0, now
+            self.finish_reason = delta.finish_reason or self.finish_reason
+            if entry.cancelled or entry.fenced or entry.write_error:
+                break
+        if pending:
+            self.emit(builder.feed(pending))
+        if self.started:
+            self.points["last_token_at"] = time.time()
 
     def _start(self, session, *, marks: dict) -> bool:
         """loading -> running, with the attempt's points up to its first token."""
@@ -224,7 +229,7 @@ class Job:
             self.points["finished_at"] = time.time()
             timeline.record(session, self.attempt, last_token_at=self.points.get("last_token_at"),
                             finished_at=self.points["finished_at"], commit_lag=lag)
-        return lifecycle.finish(session, self.attempt, status, first_seq=self.seq + 1, emitted=emitted,
+        return lifecycle.finish(session, self.attempt, status, first_seq=self.seq.next, emitted=emitted,
                                 output=output, usage=usage, error=error, logged=self.logged)
 
     def _observe_timeline(self) -> None:
@@ -304,7 +309,7 @@ def _claim_and_run(ctx: WorkerContext, task_id: str, model: str, engine) -> None
 def _run_claimed(ctx: WorkerContext, claimed, points: dict, engine) -> None:
     task_id = claimed.task.id
     try:
-        job = Job(ctx, claimed.attempt, claimed.response, claimed.log[-1][0] if claimed.log else 1, engine)
+        job = Job(ctx, claimed.attempt, claimed.response, claimed.sequence(), engine)
         job.created_at, job.points, job.rank = claimed.task.created_at, points, claimed.task.virtual_finish
         builder = job.builder()
         prior_tokens = 0
@@ -382,7 +387,7 @@ def _run_direct(ctx: WorkerContext, model: str, engine, response_id: str, prompt
     if claimed is None:
         return
     attempt, response = claimed
-    job = Job(ctx, attempt, response, 0, engine)
+    job = Job(ctx, attempt, response, Sequence(), engine)
     job.emit([(events.CREATED, events.created(response_id))])
     try:
         job.run(job.builder(), prompt_ids=prompt_ids)

@@ -18,6 +18,7 @@ from flask import g, request
 
 from api import params
 from api.extensions import services
+from common import wire
 from common.errors import LMSPError
 from common.ids import is_id
 from common.tables import ApiToken
@@ -38,8 +39,8 @@ def mint(session, identity: Identity, task_id: str) -> dict:
     row = session.get(ApiToken, identity.token_id)
     expires = int(time.time()) + TICKET_SECONDS
     ticket = f"{VERSION}.{row.id}.{expires}.{_signature(row.token_hash, row.id, task_id, expires)}"
-    return {"object": "stream_ticket", "ticket": ticket, "expires_at": expires,
-            "events_url": f"/lmsp/v1/tasks/{task_id}/events?ticket={ticket}"}
+    return wire.StreamTicket(ticket=ticket, expires_at=expires,
+                             events_url=f"{wire.API}/tasks/{task_id}/events?ticket={ticket}").wire()
 
 
 def _redeem(session, ticket: str, task_id: str) -> Identity | None:

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from api.extensions import Services
 from api.services import idempotency
 from api.services.validation import Prepared
-from common import events, interactive_wire, lifecycle, liveness, timeline
+from common import events, interactive_wire, lifecycle, liveness, timeline, wire
 from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError, problem
 from common.events import dumps
@@ -106,7 +106,7 @@ class DirectWatch:
         else:
             name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                                       incomplete_details=row.incomplete_details)
-        closing = [(name, dumps(data))]  # numbered by the follower after the last event it sent
+        closing = [(name, dumps(data))]  # numbered by the follower (events.Sequence) after the last it sent
         if row is not None and row.worker_id is None:  # no worker took it, so none sent response.created:
             closing.insert(0, (events.CREATED, dumps(events.created(row.id))))  # a stream starts with it
         return closing
@@ -182,7 +182,7 @@ def task_view(session: Session, task: Task, registry) -> dict:
     # A queued task has no attempt yet: a new task's 202 costs no query for its timeline.
     attempts = [] if task.status == QUEUED else timeline.attempts_of(session, [task.id]).get(task.id, [])
     return task_doc(task, session.get(Response, task.response_id) if task.status == SUCCEEDED else None, registry,
-                    attempts)
+                    attempts).wire()
 
 
 def list_tasks_rows(session: Session, principal: str, states, limit: int, cursor: str | None) -> list[Task]:
@@ -212,10 +212,10 @@ def list_tasks_page(session: Session, registry, rows: list[Task], limit: int) ->
     attempts = timeline.attempts_of(session, [t.id for t in page])
     data = [task_doc(t, responses.get(t.response_id), registry, attempts.get(t.id, [])) for t in page]
     more = len(rows) > limit
-    return {"object": "list", "data": data, "has_more": more, "next_cursor": page[-1].id if more else None}
+    return wire.TaskList(data=data, has_more=more, next_cursor=page[-1].id if more else None).wire()
 
 
-def task_doc(task: Task, response: Response | None, registry, attempts=()) -> dict:
+def task_doc(task: Task, response: Response | None, registry, attempts=()) -> wire.Task:
     spec = registry.models.get(task.model)  # a model since removed keeps its events readable
     return task_object(task, response, event_resume=spec is None or spec.public_capabilities()["event_resume"],
                        attempts=attempts)

@@ -5,6 +5,8 @@ The page needs no token to load; it asks for one and keeps it in sessionStorage.
 
 from flask import Blueprint, current_app
 
+from api.operations import media_answer, operation
+
 bp = Blueprint("dashboard", __name__)
 
 # Scripts and styles only from this origin, no framing, no referrer (the page's URLs carry task ids).
@@ -18,6 +20,8 @@ HEADERS = {
 
 
 @bp.get("/")
+@operation("dashboard", "The web dashboard (it asks for a token)", tag="dashboard", scope=None,
+           answers={200: media_answer("The dashboard page", "text/html")})
 def index():
     resp = current_app.send_static_file("index.html")
     resp.headers.update(HEADERS)

@@ -10,19 +10,16 @@ import base64
 import binascii
 
 from flask import Blueprint, Response, request, stream_with_context
-from sqlalchemy import select
 
 from api import params
-from api.auth import hold_follower, hold_stream, principal, require, still_authorized, streamed
+from api.auth import hold_follower, hold_stream, principal, still_authorized, streamed
 from api.extensions import services
 from api.handover import Handover, can_detach
 from api.live import SHUTDOWN_NOTE, ShuttingDown, follow, stream_error, ws_accept
-from common import events
-from common.db import db_now
+from api.operations import bare_answer, operation, ref, sse_answer
+from api.services.streams import ended_check, open_stream
+from common import events, wire
 from common.errors import LMSPError
-from common.lifecycle import followed_task
-from common.states import TERMINAL
-from common.tables import Task
 
 bp = Blueprint("events", __name__, url_prefix="/lmsp/v1/tasks")
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -43,51 +40,13 @@ def _after() -> int:
 
 def _open(task_id: str) -> tuple[str, str, int]:
     """Check access, capability and retention; return (task id, response id, after)."""
-    svc = services()
     after = _after()
-    with svc.sessions() as session:
-        task = followed_task(session, principal(), task_id)
-    expired = _expired(task, svc.settings, task.ended_ago)
-    spec = svc.registry.models.get(task.model)
-    if spec is not None and not spec.public_capabilities()["event_resume"]:
-        raise LMSPError("unsupported_capability", f"Model {task.model} does not offer event streams "
-                        f"(capability event_resume); GET /lmsp/v1/tasks/{task_id} has the result",
-                        capability="event_resume")
-    if expired:
-        raise LMSPError("event_history_expired", f"The events of task {task_id} are past their retention; "
-                        f"GET /lmsp/v1/tasks/{task_id} has the final result")
-    return task.id, task.response_id, after
-
-
-def _expired(task, settings, ended_ago: float | None) -> bool:
-    """Past its event retention (11.2): its rows purged (SQLite), or its partition dropped (Postgres).
-    ``ended_ago``: seconds since it ended by the database's clock (replicas' own clocks may disagree)."""
-    return task.events_expired or (task.status in TERMINAL and ended_ago is not None
-                                   and ended_ago > settings.event_retention_seconds)
-
-
-def _ended(task_id: str):
-    svc = services()
-
-    def ended():
-        """A finished task whose log has nothing after the follower's point ends its stream with no
-        event; one whose events were purged meanwhile (or gone with the task) ends it with 410's
-        problem as an ``error`` event, never silently."""
-        with svc.sessions() as session:
-            task = session.get(Task, task_id)
-            ago = None if task is None or task.ended_at is None else \
-                session.execute(select(db_now())).scalar() - task.ended_at
-            if task is None or _expired(task, svc.settings, ago):
-                raise LMSPError("event_history_expired", f"The events of task {task_id} passed their "
-                                f"retention while this stream read them; GET /lmsp/v1/tasks/{task_id} "
-                                "has the final result")
-            return [] if task.status in TERMINAL else None
-    return ended
+    return (*open_stream(services(), principal(), task_id), after)
 
 
 def _hand_over(task_id: str, response_id: str, after: int, *, ws: bool, status: int, headers: dict) -> Response:
     svc = services()
-    ended, authorized, path = _ended(task_id), still_authorized(), request.path
+    ended, authorized, path = ended_check(svc, task_id), still_authorized(), request.path
 
     def take(sock, release):
         svc.hub.attach(sock, ws=ws, path=path, response_id=response_id, after=after, ended=ended,
@@ -98,7 +57,15 @@ def _hand_over(task_id: str, response_id: str, after: int, *, ws: bool, status: 
 
 
 @bp.get("/<task_id>/events")
-@require("tasks:read")
+@operation("taskEvents", "Follow a task's events (SSE), resumable", tag="events", scope="tasks:read",
+           answers={200: sse_answer("The missed events, then live ones; closed after the final event",
+                                    "Server-sent events, each with an integer `id` (1, 2, ...), an `event` name "
+                                    "and a JSON `data` line")},
+           errors=[(400, "invalid_request", "unsupported_capability", "`after` or Last-Event-ID is not a "
+                    "non-negative integer; unsupported_capability: the task's model lacks event_resume"),
+                   (404, "task_not_found"),
+                   (410, "event_history_expired", "Fetch the final result with GET /lmsp/v1/tasks/{task_id}")],
+           params=["TaskId", "After", "LastEventId", "Ticket"])
 def sse(task_id: str):
     task_id, response_id, after = _open(task_id)
     if can_detach(request.environ):
@@ -107,7 +74,7 @@ def sse(task_id: str):
     hold_stream()  # this request's thread reads the follower
     svc = services()
     batches = follow(svc.hub, response_id, after, logged=True, heartbeat=svc.settings.sse_heartbeat_seconds,
-                     ended=_ended(task_id), authorized=still_authorized())
+                     ended=ended_check(svc, task_id), authorized=still_authorized())
 
     def body():
         last = after
@@ -133,7 +100,20 @@ def sse(task_id: str):
 # websocket=True: werkzeug routes only upgrade requests here, and answers others (or an upgrade
 # elsewhere) with WebsocketMismatch, a problem document (api/problems.py).
 @bp.get("/<task_id>/ws", websocket=True)
-@require("tasks:read")
+@operation("taskEventsWebSocket", "Follow a task's events over a WebSocket, resumable", tag="events",
+           scope="tasks:read",
+           answers={101: bare_answer("Switching protocols. One text frame per event (WebSocketFrame: "
+                                     "`{\"id\":n,\"event\":name,\"data\":{...}}`); the server closes with 1000 "
+                                     "after the final event; 1008 when the token is revoked, 1012 when the server "
+                                     "restarts, 1011 when the stream fails (reconnect with `after`).",
+                                     models=(wire.WebSocketFrame,), **{"x-lmsp-frame": ref("WebSocketFrame")})},
+           # Scope, task, capability, retention and `after` are checked before the handshake (``_open``),
+           # so they answer with a status, as on the SSE endpoint.
+           errors=[(400, "invalid_request", "unsupported_capability",
+                    "Not a WebSocket handshake (param names the header), or a bad `after`"),
+                   (404, "task_not_found"), (410, "event_history_expired")],
+           description="Same events and resumption (`after`, Last-Event-ID) as the SSE endpoint.",
+           params=["TaskId", "After", "LastEventId"])
 def ws(task_id: str):
     # Access first (404, 403, 410 ...), then the handshake: every refusal is an HTTP problem document.
     task_id, response_id, after = _open(task_id)

@@ -2,7 +2,9 @@ from flask import Blueprint
 from sqlalchemy import text
 
 from api.extensions import services
+from api.operations import json_answer, operation
 from api.problems import problem_response
+from common import wire
 from common.broker import queue_length
 from common.errors import problem
 
@@ -10,11 +12,16 @@ bp = Blueprint("health", __name__)
 
 
 @bp.get("/healthz")
+@operation("healthz", "Liveness probe", tag="health", scope=None,
+           answers={200: json_answer("The process is alive", wire.Health)})
 def healthz():
-    return {"status": "ok"}
+    return wire.Health().wire()
 
 
 @bp.get("/readyz")
+@operation("readyz", "Readiness probe: database and broker reachable", tag="health", scope=None,
+           answers={200: json_answer("Ready", wire.Readiness)},
+           errors=[(503, "overloaded", "Not ready: `checks` says which dependency failed.")])
 def readyz():
     svc = services()
     checks = {}
@@ -30,7 +37,7 @@ def readyz():
     except Exception as exc:  # noqa: BLE001
         checks["broker"] = f"error: {type(exc).__name__}"
     if all(v == "ok" for v in checks.values()):
-        return {"status": "ready", "checks": checks}
+        return wire.Readiness(checks=wire.Checks(**checks)).wire()
     doc = problem("overloaded", "Not ready: " + ", ".join(f"{k} {v}" for k, v in checks.items()),
                   instance="/readyz", checks=checks)
     return problem_response(doc, {"Retry-After": "5"})

@@ -1,17 +1,14 @@
 """Prometheus metrics (spec 11.1) of the whole service, read from the database at each scrape so every
-api replica answers the same. Every tenant's figures: it needs scope admin. Each worker serves its
-own process's figures on its metrics port (worker/metrics.py)."""
-
+api replica answers the same (api/services/figures.py). Every tenant's figures: it needs scope admin.
+Each worker serves its own process's figures on its metrics port (worker/metrics.py)."""
 
 from flask import Blueprint, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from sqlalchemy import func, select
 
-from api.auth import require
 from api.extensions import Services, services
-from common import liveness
-from common.tables import QueueCount, Task
+from api.operations import media_answer, operation
+from api.services.figures import service_figures
 
 bp = Blueprint("metrics", __name__)
 
@@ -34,25 +31,21 @@ class ServiceFigures:
 
     def collect(self):
         tasks, queue, up, running = self.describe()
-        depth = dict.fromkeys(self.svc.registry.models, 0)
         with self.svc.sessions() as session:
-            for model, status, count in session.execute(
-                    select(Task.model, Task.status, func.count()).group_by(Task.model, Task.status)):
-                tasks.add_metric([model, status], count)
-            # the counts the queue limits read, kept by triggers (migration 0003): no count of the queue
-            depth.update(session.execute(select(QueueCount.name, QueueCount.queued).where(
-                QueueCount.kind == "model")).all())
-            workers = liveness.worker_states(session, self.svc.settings.lease_seconds)
-        for model, count in depth.items():
+            figures = service_figures(session, self.svc.registry.models, self.svc.settings.lease_seconds)
+        for model, status, count in figures.tasks:
+            tasks.add_metric([model, status], count)
+        for model, count in figures.queued.items():
             queue.add_metric([model], count)
-        for worker in workers:
+        for worker in figures.workers:
             up.add_metric([worker.id, worker.model], int(worker.alive))
             running.add_metric([worker.id, worker.model], worker.running)
         return [tasks, queue, up, running]
 
 
 @bp.get("/metrics")
-@require("admin")
+@operation("metrics", "Prometheus metrics of all tenants: tasks by state, queues, workers", tag="health",
+           scope="admin", answers={200: media_answer("Prometheus text exposition format", "text/plain")})
 def metrics():
     registry = CollectorRegistry()
     registry.register(ServiceFigures(services()))

@@ -1,7 +1,7 @@
 from flask import Blueprint
 
-from api.auth import require
 from api.extensions import services
+from api.operations import json_answer, operation
 from api.services.models import model_object
 from common import wire
 from common.liveness import live_workers, loaded_on
@@ -10,7 +10,8 @@ bp = Blueprint("models", __name__, url_prefix=wire.API)
 
 
 @bp.get("")
-@require("models:read")
+@operation("discovery", "Service discovery: version, capabilities, base paths, model ids", tag="discovery",
+           scope="models:read", answers={200: json_answer("The service", wire.Discovery)})
 def discovery():
     models = services().registry.models.values()
     # What at least one served model offers (spec 8: never advertise what none can do).
@@ -28,12 +29,15 @@ def _models(*specs) -> list[wire.Model]:
 
 
 @bp.get("/models")
-@require("models:read")
+@operation("listModels", "List the served models with their live state", tag="models", scope="models:read",
+           answers={200: json_answer("The models", wire.ModelList)})
 def list_models():
     return wire.ModelList(data=_models(*services().registry.models.values())).wire()
 
 
 @bp.get("/models/<path:model_id>")
-@require("models:read")
+@operation("getModel", "One model", tag="models", scope="models:read",
+           answers={200: json_answer("The model", wire.Model)}, errors=[(404, "model_not_found")],
+           params=["ModelId"])
 def get_model(model_id: str):
     return _models(services().registry.get(model_id))[0].wire()

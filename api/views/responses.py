@@ -2,22 +2,50 @@ import json
 
 from flask import Blueprint, Response, request, stream_with_context
 
-from api.auth import hold_stream, principal, require, streamed
+from api.auth import hold_stream, principal, streamed
 from api.body import json_body
 from api.extensions import request_session, services
 from api.live import follow, stream_error
+from api.operations import BODY_ERRORS, PREPARE_ERRORS, json_answer, operation, sse_answer
 from api.problems import problem_response
 from api.services import idempotency
 from api.services.validation import prepare
 from api.services.work import DirectWatch, abort_direct, create_direct, response_json, stored_response
-from common import events
+from common import events, wire
 from common.errors import TRANSIENT
+from common.protocol import ResponseRequest
 
 bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
 
 
 @bp.post("")
-@require("responses:write")
+@operation(
+    "createResponse", "Generate a response, synchronously or as a stream", tag="responses", scope="responses:write",
+    answers={200: json_answer(
+        "With `stream: false`: the finished response object (status completed, incomplete or cancelled; a "
+        "failed generation answers its problem instead). With `stream: true`: server-sent events (6.3), ids 1, "
+        "2, ... from response.created to the one final event. A direct stream cannot be resumed.", wire.Response,
+        also=sse_answer("", "Server-sent events: `id:`, `event:` and a JSON `data:` line per event; "
+                            "`: keep-alive` comments in between"))},
+    errors=[PREPARE_ERRORS,
+            (404, "model_not_found", "response_not_found", "response_not_found names previous_response_id"),
+            (409, "idempotency_key_in_use"), *BODY_ERRORS, (422, "idempotency_key_reused"),
+            (500, "server_error", "generation_failed", "server_restarted",
+             "A synchronous request whose generation failed answers the response's problem"),
+            (429, "rate_limited", "Too many open streams (or requests waiting for a model) for this principal "
+             "or this server"),
+            (503, "model_unavailable", "No live worker serves the model")],
+    description="An Idempotency-Key replays the stored outcome (status and body) of a finished request: the "
+                "response object, or the problem it failed with; a finished stream's replay is a stream again, "
+                "its items each in one delta, ending with the same final event. A request that ended without "
+                "an outcome (its client went away) frees its key.\n\n"
+                "The OpenAI SDK's spellings are accepted too, and stored as LMSP's: `input` as a string (one "
+                "user message), items as `{role, content}` without `type` (messages), `instructions` (a system "
+                "message before the input) and `text.format` (another spelling of `response_format`, its "
+                "json_schema with `name` and `schema` at the top; giving both is a 400 with param `text`). "
+                "`background: true` is refused: create a task. Every event's data starts with `type` (its "
+                "name) and `sequence_number` (its id).",
+    params=["IdempotencyKey"], body=ResponseRequest)
 def create():
     svc = services()
     body = json_body()
@@ -83,8 +111,7 @@ def _replay(status: int, body: str, stream: bool) -> Response:
     """A finished request's outcome again (9.2); a stream's is kept as its response object."""
     if not stream or status != 200:
         return _answer(status, body)
-    frames = [events.sse(seq, name, events.dumps(data))
-              for seq, (name, data) in enumerate(events.of_response(json.loads(body)), 1)]
+    frames = [events.sse(*event) for event in events.Sequence().number(events.of_response(json.loads(body)))]
     return Response("".join(frames), content_type=events.SSE_TYPE, headers={"Cache-Control": "no-cache"})
 
 
@@ -152,7 +179,9 @@ def _stream(svc, response_id, key, events_):
 
 
 @bp.get("/<response_id>")
-@require("responses:read")
+@operation("getResponse", "A response stored with store: true", tag="responses", scope="responses:read",
+           answers={200: json_answer("The response", wire.Response)}, errors=[(404, "response_not_found")],
+           params=["ResponseId"])
 def get(response_id: str):
     svc = services()
     with svc.sessions() as session:

@@ -6,9 +6,10 @@ from flask import Blueprint, Response, g, request
 from sqlalchemy.exc import IntegrityError
 
 from api import params
-from api.auth import hold_stream, principal, require
+from api.auth import hold_stream, principal
 from api.body import json_body
 from api.extensions import request_session, services
+from api.operations import BODY_ERRORS, PREPARE_ERRORS, bare_answer, json_answer, operation
 from api.services import idempotency, tickets
 from api.services.validation import prepare
 from api.services.work import (
@@ -21,6 +22,7 @@ from api.services.work import (
     send_task,
     task_view,
 )
+from common import wire
 from common.errors import LMSPError
 from common.events import REASONING_DELTA, TEXT_DELTA
 from common.ids import is_id
@@ -43,7 +45,20 @@ def _accepted(doc: dict) -> Response:
 
 
 @bp.post("")
-@require("tasks:write")
+@operation("createTask", "Create a durable task (persisted before the answer)", tag="tasks", scope="tasks:write",
+           answers={202: json_answer("The task, queued; replayed in its current state for a repeated "
+                                     "Idempotency-Key", wire.Task, "Location")},
+           errors=[PREPARE_ERRORS + ("unsupported_capability is also on_restart resume on a model without "
+                                     "resume_snapshots",),
+                   (404, "model_not_found", "response_not_found", "task_not_found",
+                    "task_not_found: the task of a replayed Idempotency-Key no longer exists"),
+                   *BODY_ERRORS, (422, "idempotency_key_reused"),
+                   (429, "rate_limited", "Too many queued tasks for this principal"),
+                   (503, "overloaded", "model_unavailable", "overloaded: the model's queue is full; "
+                    "model_unavailable: the api cannot read the model's tokenizer")],
+           description="The key is recorded in the task's own transaction, so a task request is never seen in "
+                       "flight (no 409).",
+           params=["IdempotencyKey"], body=TaskRequest)
 def create():
     svc = services()
     body = json_body()
@@ -76,7 +91,12 @@ def _replay(session, who, record) -> Response:
 
 
 @bp.get("/<task_id>")
-@require("tasks:read")
+@operation("getTask", "A task (long poll with wait, conditional with If-None-Match)", tag="tasks",
+           scope="tasks:read",
+           answers={200: json_answer("The task", wire.Task, "ETag"),
+                    304: bare_answer("The task still matches If-None-Match", "ETag")},
+           errors=[(400, "invalid_request", "`wait` is not a number of seconds >= 0"), (404, "task_not_found")],
+           params=["TaskId", "Wait", "IfNoneMatch"])
 def get(task_id: str):
     """The task; ``?wait=N`` holds the answer until it differs from the If-None-Match ETag (or from
     the task as it was when the request came) or N seconds pass; 304 when the client's ETag still holds."""
@@ -133,7 +153,11 @@ def _wait_for_change(svc, who: str, task_id: str, response_id: str, unchanged, w
 
 
 @bp.post("/<task_id>/cancel")
-@require("tasks:cancel")
+@operation("cancelTask", "Cancel a task (idempotent)", tag="tasks", scope="tasks:cancel",
+           answers={200: json_answer("The task in its current state: cancelled, or cancelling until the backend "
+                                     "stops", wire.Task)},
+           errors=[(404, "task_not_found"), (409, "task_not_cancelable", "The task already succeeded or failed")],
+           params=["TaskId"])
 def cancel(task_id: str):
     return cancel_task(services(), principal(), task_id)
 
@@ -164,7 +188,15 @@ def _list_query() -> tuple[list[str], int, str | None]:
 
 
 @bp.get("")
-@require("tasks:read")
+@operation("listTasks", "The principal's tasks, newest first, by cursor (an extension of LMSP 1.0)", tag="tasks",
+           scope="tasks:read",
+           answers={200: json_answer("A page of tasks", wire.TaskList, "ETag"),
+                    304: bare_answer("The page still matches If-None-Match: no task on it came, went or changed "
+                                     "state", "ETag")},
+           errors=[(400, "invalid_request", "A bad state, limit or cursor")],
+           params=["State", "Limit", "Cursor", "IfNoneMatch"],
+           description="A client that polls the list sends the ETag it has as If-None-Match; an unchanged "
+                       "page answers 304 without a body.")
 def list_tasks():
     """The principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages on;
     304 while the page still matches If-None-Match."""
@@ -179,7 +211,9 @@ def list_tasks():
 
 
 @bp.post("/<task_id>/events/ticket")
-@require("tasks:read")
+@operation("createStreamTicket", "A short-lived ticket to open the task's event stream without a header",
+           tag="events", scope="tasks:read", answers={200: json_answer("The ticket", wire.StreamTicket)},
+           errors=[(404, "task_not_found")], params=["TaskId"])
 def events_ticket(task_id: str):
     """A short-lived ticket that opens this task's event stream without a header (EventSource)."""
     with services().sessions() as session:

@@ -5,8 +5,8 @@ per-worker list needs scope admin, as /metrics does: worker ids name hosts and p
 
 from flask import Blueprint, g
 
-from api.auth import require
 from api.extensions import services
+from api.operations import json_answer, operation
 from api.services.workers import worker_list
 from common import wire
 from common.liveness import worker_states
@@ -16,7 +16,12 @@ LOST_SHOWN_SECONDS = 3600  # a worker that stopped heartbeating is shown as lost
 
 
 @bp.get("/workers")
-@require("models:read")
+@operation("listWorkers", "The workers: state, running requests, tokens per second, models loaded (an extension "
+           "of LMSP 1.0)", tag="models", scope="models:read",
+           answers={200: json_answer("Per model and in total; each worker with scope admin", wire.WorkerList)},
+           description="Read from the workers' last heartbeats. Every token sees the figures per model and in "
+                       "total; `data`, each worker by id, is there only for a token with scope admin (worker ids "
+                       "name hosts).")
 def list_workers():
     svc = services()
     with svc.sessions() as session:
