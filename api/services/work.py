@@ -5,6 +5,7 @@ Celery messages are sent only after the transaction commits. Statuses and
 events are written by ``common.lifecycle`` only.
 """
 
+import logging
 import time
 
 from sqlalchemy import select
@@ -20,6 +21,8 @@ from common.events import dumps
 from common.resources import response_object, task_object
 from common.states import FAILED, QUEUED, SUCCEEDED, R
 from common.tables import Response, Task
+
+log = logging.getLogger("lmsp.api")
 
 
 def _response_row(prepared: Prepared, principal: str, status: R, stored: bool) -> Response:
@@ -65,8 +68,18 @@ def create_direct(svc: Services, principal: str, prepared: Prepared, before_comm
         session.commit()
     if before_dispatch is not None:
         before_dispatch(row.id)
-    interactive_wire.send(svc.celery, prepared.spec.interactive_queue, row.id, prepared.prompt_ids)
+    send_direct(svc, prepared.spec.interactive_queue, row.id, prepared.prompt_ids)
     return row.id
+
+
+def send_direct(svc: Services, queue: str, response_id: str, prompt_ids: list[int] | None = None) -> None:
+    """The message of a committed, queued direct response. One a broker fault loses is sent again by
+    the response's DirectWatch, so the request goes on: a broker fault is never the client's 500."""
+    try:
+        interactive_wire.send(svc.celery, queue, response_id, prompt_ids)
+    except Exception as exc:  # noqa: BLE001 - kombu's pooled connection, broken by a Redis fault, raises anything
+        log.warning("broker message of %s not sent (%s: %s); it is sent again while the response waits",
+                    response_id, type(exc).__name__, exc)
 
 
 def abort_direct(svc: Services, response_id: str) -> None:
@@ -134,7 +147,7 @@ class DirectWatch:
             self.sent = now
             lifecycle.watched_direct(session, row.id)  # committed by the caller below
             session.commit()
-            interactive_wire.send(self.svc.celery, self.spec.interactive_queue, row.id)
+            send_direct(self.svc, self.spec.interactive_queue, row.id)
         return False
 
 
