@@ -357,6 +357,29 @@ def test_followers_complete_from_the_log_when_redis_is_unreachable(stack, alice,
     assert [(f["id"], f["event"]) for f in frames] == [(e[0], e[1]) for e in events[3:]]
 
 
+def test_a_direct_stream_whose_subscription_redis_did_not_confirm_gets_every_event(tmp_path, pg_url):
+    """Issue 21's chaos run (seed 4242): a direct stream opened as Redis came back was not subscribed
+    yet when the worker published, and started at event 8 with the text's start lost. The worker then
+    logs the events too, and the stream reads them there. Here the api has no Redis at all."""
+    model = f"sim:d{uuid.uuid4().hex[:6]}"
+    stack = Stack(tmp_path, pg_url, models=[model_entry(model, engine={
+        "kind": "sim", "max_num_seqs": 2, "ttft_ms": 40, "tokens_per_s": 60, "tick_ms": 10})])
+    try:
+        stack.start_worker(model, f"test-{model}")  # it publishes to the real Redis
+        client = Client(stack.start_api(LMSP_REDIS_URL="redis://127.0.0.1:1/0"), stack.token("olga"))
+        body = {"model": model, "input": user("Say something."), "max_output_tokens": 12, "stream": True}
+        with client.stream_post("/lmsp/v1/responses", body) as resp:
+            assert resp.status_code == 200, resp.text
+            events = list(iter_sse(resp.iter_lines(decode_unicode=True)))
+        assert [e[0] for e in events] == list(range(1, len(events) + 1)), [e[:2] for e in events]
+        assert events[0][1] == "response.created" and events[-1][1] in ("response.completed", "response.incomplete")
+        text = "".join(e[2]["delta"] for e in events if e[1] == "response.output_text.delta")
+        done = [e[2]["item"] for e in events if e[1] == "response.output_item.done"]
+        assert text and done[-1]["content"][0]["text"] == text
+    finally:
+        stack.close()
+
+
 def test_a_long_synchronous_request_repeated_with_its_key_runs_once(stack, edge, model_id, pg_url):
     import psycopg
     client = Client(edge, stack.token("ursula"))
