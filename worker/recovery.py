@@ -220,10 +220,10 @@ def watch_engine(ctx: WorkerContext) -> None:
     kill_stale_engines(ctx.worker_id)  # what the dead core left behind (its model worker) holds memory
     try:
         ctx.engine = ctx.new_engine()
-    except Exception:  # noqa: BLE001
-        log.critical("cannot load a new engine; exiting so a supervisor restarts this worker", exc_info=True)
-        ctx.stopping.set()
-        os._exit(71)
+    except Exception:  # noqa: BLE001 - e.g. its core killed while it started: the next pass loads again
+        log.error("loading a new engine failed; trying again (without one for %d s the process exits)",
+                  ENGINE_RELOAD_SECONDS, exc_info=True)
+        return
     ctx.engine_ok.set()
     log.info("a new engine is loaded; claiming again")
     heartbeat(ctx)
