@@ -6,31 +6,29 @@ constrain to an ``anyOf`` of the tools) is compiled by the worker's grammar back
 
 1. static limits: values in the schema, its nesting, and its anyOf/oneOf branches (a nested
    alternation counts once per enclosing branch: that product is what explodes);
-2. the backend's own compile, once per (checkpoint, schema), in a helper process with a timeout:
-   a schema xgrammar cannot handle, or cannot compile in time, is ``400 invalid_request`` here
-   rather than ``generation_failed`` later. Importing xgrammar imports torch, so it never runs
-   in the api process itself; the helper starts on the first constrained request.
+2. the backend's own compile, once per (checkpoint, schema), in a helper process with a timeout
+   (api/grammar_pool.py): a schema xgrammar cannot handle, or cannot compile in time, is
+   ``400 invalid_request`` here rather than ``generation_failed`` later;
+3. a compile budget per principal, so one tenant's slow schemas cannot stall the others': one
+   compile at a time (a helper its timeout killed is replaced on its turn) and compile-seconds
+   per minute, past which its new schemas are ``429 rate_limited`` with Retry-After.
 """
 
 import hashlib
 import json
 import logging
-import re
-import select
-import subprocess
-import sys
+import math
 import threading
-from collections import OrderedDict
-from pathlib import Path
+import time
+from collections import OrderedDict, deque
+from itertools import accumulate
 
+from api.grammar_pool import Helper, HelperPool, Unavailable
 from common.errors import LMSPError
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.grammar")
-ROOT = Path(__file__).resolve().parent.parent
 CACHE_SIZE = 4096
-_SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-START_SECONDS = 300  # importing torch and loading a tokenizer on a busy machine
 
 
 def check_budget(schema, param: str, settings: Settings) -> None:
@@ -61,123 +59,125 @@ def _refuse(param: str, why: str) -> None:
     raise LMSPError("invalid_request", f"{param} {why}: too costly to compile into a grammar", param=param)
 
 
+class CompileBudget:
+    """Per principal, in this api process: one compile at a time, and ``seconds_per_minute`` of compile
+    time in any minute. A principal waits up to ``wait`` seconds for its own turn, never for another's."""
+
+    WINDOW = 60.0
+
+    def __init__(self, seconds_per_minute: float, wait: float):
+        self.limit, self.wait = seconds_per_minute, wait
+        self._busy: set[str] = set()
+        self._spent: dict[str, deque[tuple[float, float]]] = {}  # principal -> (when, compile seconds)
+        self._cond = threading.Condition()
+
+    def take(self, principal: str) -> None:
+        """The principal's turn (give it back with ``release``), or ``429 rate_limited``."""
+        deadline = time.monotonic() + self.wait
+        with self._cond:
+            while True:
+                retry = self._retry_after(principal)
+                if retry:
+                    raise LMSPError("rate_limited", f"This principal's structured-output schemas took more than "
+                                    f"{self.limit:g} s to compile in the last minute; retry after {retry} s",
+                                    retry_after=retry)
+                if principal not in self._busy:
+                    self._busy.add(principal)
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LMSPError("rate_limited", "Another structured-output schema of this principal is "
+                                    "still being compiled; send new schemas one at a time",
+                                    retry_after=max(1, math.ceil(self.wait)))
+                self._cond.wait(left)
+
+    def charge(self, principal: str, seconds: float) -> None:
+        with self._cond:
+            self._spent.setdefault(principal, deque()).append((time.monotonic(), seconds))
+
+    def release(self, principal: str) -> None:
+        with self._cond:
+            self._busy.discard(principal)
+            self._cond.notify_all()
+
+    def _retry_after(self, principal: str) -> int:
+        """0 while the principal's last minute has room, else the seconds until it has."""
+        spent = self._spent.get(principal)
+        now = time.monotonic()
+        while spent and spent[0][0] <= now - self.WINDOW:
+            spent.popleft()
+        if not spent:
+            self._spent.pop(principal, None)
+            return 0
+        total = sum(seconds for _, seconds in spent)
+        if total < self.limit:
+            return 0
+        # Room once enough of the oldest charges have left the window (all of them free all of it).
+        freed = accumulate(seconds for _, seconds in spent)
+        leaves = next(when for (when, _), gone in zip(spent, freed, strict=True) if total - gone < self.limit)
+        return max(1, math.ceil(leaves + self.WINDOW - now))
+
+
 class GrammarGate:
     def __init__(self, settings: Settings):
         self.settings = settings
         self._results: OrderedDict[str, str | None] = OrderedDict()  # key -> None (compiles) or why not
-        self._lock = threading.Lock()   # one compile at a time: the helper answers in order
-        self._proc: subprocess.Popen | None = None
-        self._checkpoints: set[str] = set()  # the helper has these tokenizers loaded
-        self._skipped: set[str] = set()      # ... and cannot load these
+        self._results_lock = threading.Lock()
+        self._pool = HelperPool(settings.grammar_helpers)
+        self._budget = CompileBudget(settings.grammar_compile_seconds_per_minute,
+                                     settings.grammar_compile_timeout_seconds)
+        self._skipped: set[str] = set()  # checkpoints whose tokenizer the helpers cannot load
         self._unavailable = False  # xgrammar is not installed: only the static limits apply
 
-    def check(self, schema: dict, param: str, checkpoint: str) -> None:
+    def check(self, schema: dict, param: str, checkpoint: str, principal: str) -> None:
         """Whether the backend compiles ``schema`` (within its size limits: ``check_budget`` first)."""
-        if self._unavailable:
+        if self._unavailable or checkpoint in self._skipped:
             return
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         key = hashlib.sha256(f"{checkpoint}\n{text}".encode()).hexdigest()
         if key not in self._results:
-            self._compile(key, text, checkpoint)
+            self._budget.take(principal)
+            try:
+                helper = self._pool.take(self.settings.grammar_compile_timeout_seconds)
+            except LMSPError:
+                self._budget.release(principal)
+                raise
+            self._compile(helper, key, text, checkpoint, principal)
         why = self._results.get(key)
         if why is not None:
             raise LMSPError("invalid_request", f"{param} cannot be used for structured output: {why}",
                             param=param)
 
-    def _compile(self, key: str, text: str, checkpoint: str) -> None:
+    def _compile(self, helper: Helper, key: str, text: str, checkpoint: str, principal: str) -> None:
+        """On ``helper``, which is then given back; the principal's turn ends when it is in the pool
+        again, so a helper its timeout killed is replaced on its own turn, not on another's."""
         timeout = self.settings.grammar_compile_timeout_seconds
-        starting = self._proc is None or checkpoint not in self._checkpoints
-        if not self._lock.acquire(timeout=START_SECONDS if starting else timeout):
-            raise LMSPError("overloaded", "Structured-output schemas are being checked; retry shortly",
-                            retry_after=1)
         try:
-            if key in self._results or self._unavailable:
-                return
-            if not self._ready(checkpoint):
-                return
-            answer = self._ask({"schema": text, "checkpoint": checkpoint}, timeout)
-            why = f"the grammar does not compile within {timeout:g} s" if answer is None else answer["error"]
+            if not helper.alive:
+                helper.start()
+            why = helper.load(checkpoint)
+            if why is not None:
+                log.warning("grammar helper cannot load the tokenizer of %s (%s); only static schema "
+                            "limits apply to it", checkpoint, why)
+                self._skipped.add(checkpoint)
+            elif key not in self._results:
+                started = time.monotonic()
+                answer = helper.ask({"schema": text, "checkpoint": checkpoint}, timeout)
+                self._budget.charge(principal, time.monotonic() - started)
+                self._remember(key, f"the grammar does not compile within {timeout:g} s" if answer is None
+                               else answer["error"])
+        except Unavailable as exc:
+            log.warning("grammar helper unavailable (%s); only static schema limits apply", exc)
+            self._unavailable = True
+        finally:
+            if helper.alive or self._unavailable:
+                self._pool.give(helper)
+                self._budget.release(principal)
+            else:
+                self._pool.replace(helper, then=lambda: self._budget.release(principal))
+
+    def _remember(self, key: str, why: str | None) -> None:
+        with self._results_lock:
             self._results[key] = why
             while len(self._results) > CACHE_SIZE:
                 self._results.popitem(last=False)
-        finally:
-            self._lock.release()
-
-    def _ready(self, checkpoint: str) -> bool:
-        """Start the helper and load ``checkpoint``'s tokenizer in it (not counted in the budget)."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._checkpoints.clear()
-            self._proc = subprocess.Popen([sys.executable, "-m", "api.grammar"], cwd=ROOT, text=True,
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            hello = self._read(START_SECONDS)
-            if not hello or not hello.get("ready"):
-                log.warning("grammar helper unavailable (%s); only static schema limits apply",
-                            (hello or {}).get("error", "no answer"))
-                self._unavailable = True
-                self._stop()
-                return False
-        if checkpoint in self._skipped:
-            return False
-        if checkpoint not in self._checkpoints:
-            answer = self._ask({"checkpoint": checkpoint}, START_SECONDS)
-            if answer is None or answer["error"]:
-                log.warning("grammar helper cannot load the tokenizer of %s (%s); only static schema "
-                            "limits apply to it", checkpoint, (answer or {}).get("error", "no answer"))
-                self._skipped.add(checkpoint)
-                return False
-            self._checkpoints.add(checkpoint)
-        return True
-
-    def _ask(self, job: dict, timeout: float) -> dict | None:
-        try:
-            self._proc.stdin.write(json.dumps(job) + "\n")
-            self._proc.stdin.flush()
-        except OSError:
-            self._stop()
-            return None
-        answer = self._read(timeout)
-        if answer is None:
-            self._stop()  # stuck in a compile: start afresh for the next one
-        return answer
-
-    def _read(self, timeout: float) -> dict | None:
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        line = self._proc.stdout.readline() if ready else ""
-        return json.loads(line) if line else None
-
-    def _stop(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
-
-
-def _serve() -> None:
-    """The helper: one JSON job a line on stdin, one answer a line on stdout."""
-    try:
-        import xgrammar
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        print(json.dumps({"ready": False, "error": str(exc)}), flush=True)
-        return
-    print(json.dumps({"ready": True}), flush=True)
-    compilers = {}
-    for line in sys.stdin:
-        job = json.loads(line)
-        checkpoint = job["checkpoint"]
-        try:
-            if checkpoint not in compilers:
-                info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(checkpoint))
-                compilers[checkpoint] = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            if "schema" in job:
-                compilers[checkpoint].compile_json_schema(job["schema"], any_whitespace=True)
-            answer = {"error": None}
-        except Exception as exc:  # noqa: BLE001 - whatever the backend refuses is the client's answer
-            # xgrammar's messages start with "[time] file.cc:line: "; the client needs only the rest.
-            text = _SOURCE.sub("", " ".join(str(exc).split()))
-            answer = {"error": text[:500] or type(exc).__name__}
-        print(json.dumps(answer), flush=True)
-
-
-if __name__ == "__main__":
-    _serve()

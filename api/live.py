@@ -726,8 +726,12 @@ class Hub:
         self.confirm(watcher)
         return watcher
 
-    def confirm(self, follower: Follower) -> None:
+    def confirm(self, follower: Follower) -> bool:
+        """Whether Redis confirmed the subscription (within CONFIRM_SECONDS): when not (Redis is away or
+        slow), what is published meanwhile may not reach the follower."""
         follower.confirmed.wait(CONFIRM_SECONDS)
+        topic = self._topics.get(follower.response_id)
+        return topic is not None and topic.confirmed
 
     def attach(self, sock: socket.socket, *, ws: bool, path: str, response_id: str, after: int, ended,
                authorized, on_close: Callable[[], None]) -> None:

@@ -97,6 +97,8 @@ class Settings(BaseSettings):
     grammar_max_depth: Count = 24          # JSON nesting within the schema
     grammar_max_alternatives: Count = 256  # anyOf/oneOf branches, a nested one counted once per enclosing branch
     grammar_compile_timeout_seconds: Interval = 5.0
+    grammar_compile_seconds_per_minute: Interval = 15.0  # per principal and api process: then 429
+    grammar_helpers: Count = 2  # compile helpers per api process (each imports torch: ~0.5 GB)
     # Server.
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)

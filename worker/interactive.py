@@ -66,7 +66,8 @@ def _consume(ctx: WorkerContext, pool: ThreadPoolExecutor) -> None:
             except ValueError:
                 log.warning("dropped a message that is not interactive work", exc_info=True)
                 return
-            pool.submit(_run, ctx, model, response_id, interactive_wire.prompt_ids(body))
+            pool.submit(_run, ctx, model, response_id, interactive_wire.prompt_ids(body),
+                        interactive_wire.logged(body))
         return on
 
     lanes = _Lanes(ctx)
@@ -102,13 +103,14 @@ def _drain(ctx: WorkerContext, conn, lanes: _Lanes, on_message) -> None:
                 continue
 
 
-def _run(ctx: WorkerContext, model: str, response_id: str, prompt_ids: list[int] | None = None) -> None:
+def _run(ctx: WorkerContext, model: str, response_id: str, prompt_ids: list[int] | None = None,
+         logged: bool = False) -> None:
     if not ctx.ready():
         # Taken just before the engine died or a drain began: back to the queue, for a ready worker.
-        interactive_wire.send(ctx.celery, ctx.spec(model).interactive_queue, response_id, prompt_ids)
+        interactive_wire.send(ctx.celery, ctx.spec(model).interactive_queue, response_id, prompt_ids, logged)
         return
     try:
-        runner.run_direct(ctx, model, response_id, prompt_ids)
+        runner.run_direct(ctx, model, response_id, prompt_ids, logged)
     except runner.EngineStopped:
         pass
     except Exception:  # noqa: BLE001

@@ -215,8 +215,8 @@ def watch_engine(ctx: WorkerContext) -> None:
         ctx.hosts.expire()
         return
     slot = ctx.hosts.primary
-    if not slot.engine.dead:
-        return
+    if slot.engine is not None and not slot.engine.dead:
+        return  # (None: the last load failed; load again)
     # Every pass until a new engine is loaded: one that failed half-way (the database away, a stale
     # engine that would not die) must not leave the worker alive, healthy-looking and engineless.
     now = time.monotonic()
@@ -238,10 +238,10 @@ def watch_engine(ctx: WorkerContext) -> None:
     try:
         # What the dead core left behind (its model worker) holds memory: ended before the new load.
         ctx.hosts.replace(slot, cleanup=lambda: kill_stale_engines(ctx.worker_id))
-    except Exception:  # noqa: BLE001
-        log.critical("cannot load a new engine; exiting so a supervisor restarts this worker", exc_info=True)
-        ctx.stopping.set()
-        os._exit(71)
+    except Exception:  # noqa: BLE001 - e.g. its core killed while it started: the next pass loads again
+        log.error("loading a new engine failed; trying again (without one for %d s the process exits)",
+                  ENGINE_RELOAD_SECONDS, exc_info=True)
+        return
     ctx.engine_ok.set()
     log.info("a new engine is loaded; claiming again")
     heartbeat(ctx)

@@ -215,7 +215,8 @@ class Residency:
         ``cleanup`` runs between the two."""
         old, slot.engine = slot.engine, None
         try:
-            old.shutdown()
+            if old is not None:  # None: the last load failed
+                old.shutdown()
         except Exception:  # noqa: BLE001 - it is dead already
             log.warning("shutting the dead engine down failed", exc_info=True)
         cleanup()

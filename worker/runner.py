@@ -373,21 +373,25 @@ def hand_on(ctx: WorkerContext, task_id: str, attempt: int | None, why: str, **k
         dispatch(ctx.celery, queue_name(model), {"task_id": task_id}, BACKGROUND - 1)
 
 
-def run_direct(ctx: WorkerContext, model: str, response_id: str, prompt_ids: list[int] | None = None) -> None:
+def run_direct(ctx: WorkerContext, model: str, response_id: str, prompt_ids: list[int] | None = None,
+               logged: bool = False) -> None:
+    """``logged``: the api's stream is not subscribed to the channel (interactive_wire.encode)."""
     with logs.bound(response_id=response_id):
         try:
             with ctx.hosts.use(model, ctx.stopping) as engine:  # loaded first if cold: worker/interactive.py
-                _run_direct(ctx, model, engine, response_id, prompt_ids)
+                _run_direct(ctx, model, engine, response_id, prompt_ids, logged)
         except Closed:
             raise EngineStopped() from None
 
 
-def _run_direct(ctx: WorkerContext, model: str, engine, response_id: str, prompt_ids: list[int] | None) -> None:
+def _run_direct(ctx: WorkerContext, model: str, engine, response_id: str, prompt_ids: list[int] | None,
+                logged: bool) -> None:
     claimed = ctx.write(lambda s: lifecycle.claim_direct(s, response_id, ctx.worker_id, model))
     if claimed is None:
         return
     attempt, response = claimed
     job = Job(ctx, attempt, response, Sequence(), engine)
+    job.logged = job.logged or logged
     job.emit([(events.CREATED, events.created(response_id))])
     try:
         job.run(job.builder(), prompt_ids=prompt_ids)

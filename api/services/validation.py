@@ -72,7 +72,7 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
                         f"{spec.id} has a context window of {spec.context_window}", param="input")
     max_tokens = min(req.max_output_tokens or spec.max_output_tokens, spec.max_output_tokens, room)
     if constraint is not None:  # the grammar backend's own compile: the costliest check, so the last
-        svc.grammars.check(*constraint, local_checkpoint(spec))
+        svc.grammars.check(*constraint, local_checkpoint(spec), principal)
     return Prepared(req, spec, input_tokens, max_tokens, prompt_ids)
 
 

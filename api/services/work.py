@@ -6,6 +6,7 @@ events are written by ``common.lifecycle`` only.
 """
 
 import hashlib
+import logging
 import time
 
 from sqlalchemy import select
@@ -21,6 +22,8 @@ from common.events import dumps
 from common.resources import response_object, task_object
 from common.states import FAILED, QUEUED, SUCCEEDED, R
 from common.tables import Response, Task
+
+log = logging.getLogger("lmsp.api")
 
 
 def _response_row(prepared: Prepared, principal: str, status: R, stored: bool) -> Response:
@@ -55,8 +58,9 @@ def _stored(prepared: Prepared) -> bool:
 def create_direct(svc: Services, principal: str, prepared: Prepared, before_commit=None,
                   before_dispatch=None, session: Session | None = None) -> str:
     """``before_commit(response_id)`` and ``before_dispatch(response_id)`` run around the commit: the
-    caller subscribes to the response's events there, so it misses none of them. ``session``: the
-    request's own (closed here), else a new one."""
+    caller subscribes to the response's events there, so it misses none of them; ``before_dispatch``
+    returns False when the subscription is not live, and the worker then logs the events too.
+    ``session``: the request's own (closed here), else a new one."""
     row = _response_row(prepared, principal, R.QUEUED, _stored(prepared))
     if before_commit is not None:
         before_commit(row.id)
@@ -64,10 +68,20 @@ def create_direct(svc: Services, principal: str, prepared: Prepared, before_comm
         ensure_available(svc, session, prepared.spec.id)
         lifecycle.create_direct(session, row)
         session.commit()
-    if before_dispatch is not None:
-        before_dispatch(row.id)
-    interactive_wire.send(svc.celery, prepared.spec.interactive_queue, row.id, prepared.prompt_ids)
+    logged = before_dispatch is not None and before_dispatch(row.id) is False
+    send_direct(svc, prepared.spec.interactive_queue, row.id, prepared.prompt_ids, logged)
     return row.id
+
+
+def send_direct(svc: Services, queue: str, response_id: str, prompt_ids: list[int] | None = None,
+                logged: bool = False) -> None:
+    """The message of a committed, queued direct response. One a broker fault loses is sent again by
+    the response's DirectWatch, so the request goes on: a broker fault is never the client's 500."""
+    try:
+        interactive_wire.send(svc.celery, queue, response_id, prompt_ids, logged)
+    except Exception as exc:  # noqa: BLE001 - kombu's pooled connection, broken by a Redis fault, raises anything
+        log.warning("broker message of %s not sent (%s: %s); it is sent again while the response waits",
+                    response_id, type(exc).__name__, exc)
 
 
 def abort_direct(svc: Services, response_id: str) -> None:
@@ -87,8 +101,8 @@ class DirectWatch:
     its model for ``lease_seconds``; one whose worker's lease expired (and stayed so for another
     lease) fails ``server_restarted`` (a worker's sweeper does the same, but there may be none left)."""
 
-    def __init__(self, svc: Services, response_id: str, spec):
-        self.svc, self.response_id, self.spec = svc, response_id, spec
+    def __init__(self, svc: Services, response_id: str, spec, logged: bool = False):
+        self.svc, self.response_id, self.spec, self.logged = svc, response_id, spec, logged
         self.sent = self.served = time.monotonic()
         self.orphaned: float | None = None  # since when its worker has looked expired
 
@@ -135,7 +149,7 @@ class DirectWatch:
             self.sent = now
             lifecycle.watched_direct(session, row.id)  # committed by the caller below
             session.commit()
-            interactive_wire.send(self.svc.celery, self.spec.interactive_queue, row.id)
+            send_direct(self.svc, self.spec.interactive_queue, row.id, logged=self.logged)
         return False
 
 

@@ -58,14 +58,16 @@ def create():
         done = svc.claims.begin(key)
         if done is not None:
             return _replay(done.status_code, done.body, prepared.request.stream)
-    subscription = None
+    subscription, live = None, True
 
     def subscribe(response_id: str) -> None:
         nonlocal subscription  # Redis confirms while Postgres commits
         subscription = svc.hub.subscribe(response_id, confirm=False)
 
-    def confirmed(_response_id: str) -> None:
-        svc.hub.confirm(subscription)  # before the dispatch: the first event cannot be published to nobody
+    def confirmed(_response_id: str) -> bool:
+        nonlocal live  # before the dispatch: the first event cannot be published to nobody
+        live = svc.hub.confirm(subscription)
+        return live
 
     try:
         response_id = create_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed,
@@ -76,7 +78,8 @@ def create():
         if key is not None:
             svc.claims.abandon(key)  # whatever went wrong, the key is free again at once
         raise
-    events_ = _events(svc, response_id, subscription, DirectWatch(svc, response_id, prepared.spec))
+    events_ = _events(svc, response_id, subscription, DirectWatch(svc, response_id, prepared.spec,
+                                                                         logged=not live))
     if prepared.request.stream:
         return streamed(Response(stream_with_context(_stream(svc, response_id, key, events_)),
                                  content_type=events.SSE_TYPE,

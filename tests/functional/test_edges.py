@@ -5,6 +5,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -12,7 +13,7 @@ import pytest
 import requests
 import websocket
 
-from tests.harness import Client, iter_sse, user, wait_for
+from tests.harness import Client, Stack, iter_sse, model_entry, user, wait_for
 
 PROBLEM = "application/problem+json"
 QUIET = "tiny:no-tools"  # no worker serves it: its tasks stay queued, their streams stay open
@@ -260,6 +261,71 @@ def test_grammar_bombs_are_refused_at_the_door(alice, bob, model_id):
     assert "n" in json.loads(ok.json()["output"][0]["content"][0]["text"])
 
 
+def _slow(n: int) -> dict:
+    """Within the static limits, but xgrammar unrolls the length range: seconds to compile."""
+    return {"type": "string", "minLength": 2000 + n, "maxLength": 4000 + n}
+
+
+def _compile_call(client, model: str, schema: dict):
+    """A structured task: its answer, and how long the api took to give it."""
+    start = time.monotonic()
+    resp = client.post("/lmsp/v1/tasks", {"type": "response", "input": {
+        "model": model, "input": user("Answer in JSON."), "max_output_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}})
+    return resp, time.monotonic() - start
+
+
+def test_one_principals_slow_schemas_do_not_stall_anothers(tmp_path, pg_url):
+    """Issue 21, defect 6: distinct slow schemas from one principal, sent as fast as it can, cost it
+    400s and 429s; another principal's schema still compiles at once, never a 503."""
+    model = f"smollm2:g{uuid.uuid4().hex[:6]}"  # no worker: the tasks stay queued, nobody else's
+    stack = Stack(tmp_path, pg_url, models=[model_entry(model)])
+    try:
+        base = stack.start_api(LMSP_GRAMMAR_COMPILE_TIMEOUT_SECONDS="1")
+        tokens = {name: stack.token(name) for name in ("mallory", "nina")}
+
+        def send(name, schema):
+            return _compile_call(Client(base, tokens[name]), model, schema)
+
+        def simple(i):
+            return {"type": "object", "properties": {f"n{i}": {"type": "integer"}}, "required": [f"n{i}"]}
+
+        with ThreadPoolExecutor(2) as pool:  # both start a helper (importing torch: not in the budget)
+            warm = list(pool.map(send, ["mallory", "nina"], [simple(0), simple(1)]))
+        assert [r.status_code for r, _ in warm] == [202, 202], [r.text for r, _ in warm]
+
+        stop = time.monotonic() + 12
+
+        def flood(k):
+            answers, n = [], k
+            while time.monotonic() < stop:
+                answers.append(send("mallory", _slow(n))[0])
+                n += 4
+            return answers
+
+        with ThreadPoolExecutor(4) as pool:
+            floods = [pool.submit(flood, k) for k in range(4)]
+            time.sleep(3)
+            nina = []
+            for i in range(3):
+                nina.append(send("nina", simple(10 + i)))
+                time.sleep(2)
+        for resp, took in nina:
+            assert resp.status_code == 202, resp.text
+            assert took < 10, f"another principal's schema waited {took:.1f} s"
+        answers = [resp for f in floods for resp in f.result()]
+        timed_out = [r for r in answers if r.status_code == 400]
+        limited = [r for r in answers if r.status_code == 429]
+        assert len(timed_out) + len(limited) == len(answers), [(r.status_code, r.text) for r in answers]
+        assert timed_out and "does not compile within 1 s" in timed_out[0].json()["detail"]
+        assert limited, "one principal's schemas are compiled one at a time"
+        for resp in limited:
+            problem(resp, 429, "rate_limited")
+            assert int(resp.headers["Retry-After"]) >= 1
+    finally:
+        stack.close()
+
+
 def test_50_concurrent_direct_streams_start_at_1_with_response_created(stack, model_id):
     wide = stack.start_api(threads=128, LMSP_MAX_STREAMS_PER_PRINCIPAL="64")
     client = Client(wide, stack.token("wendy"))
@@ -305,6 +371,28 @@ def test_a_cancel_whose_hint_never_reached_redis_still_stops_the_generation(stac
     assert events[-1][1] == "response.cancelled"
     deltas = sum(1 for e in events if e[1] == "response.output_text.delta")
     assert deltas < 1000, "generation ran to its limit: the cancel was not seen while it ran"
+
+def test_a_direct_stream_whose_subscription_redis_did_not_confirm_gets_every_event(tmp_path, pg_url):
+    """Issue 21's chaos run (seed 4242): a direct stream opened as Redis came back was not subscribed
+    yet when the worker published, and started at event 8 with the text's start lost. The worker then
+    logs the events too, and the stream reads them there. Here the api has no Redis at all."""
+    model = f"sim:d{uuid.uuid4().hex[:6]}"
+    stack = Stack(tmp_path, pg_url, models=[model_entry(model, engine={
+        "kind": "sim", "max_num_seqs": 2, "ttft_ms": 40, "tokens_per_s": 60, "tick_ms": 10})])
+    try:
+        stack.start_worker(model, f"test-{model}")  # it publishes to the real Redis
+        client = Client(stack.start_api(LMSP_REDIS_URL="redis://127.0.0.1:1/0"), stack.token("olga"))
+        body = {"model": model, "input": user("Say something."), "max_output_tokens": 12, "stream": True}
+        with client.stream_post("/lmsp/v1/responses", body) as resp:
+            assert resp.status_code == 200, resp.text
+            events = list(iter_sse(resp.iter_lines(decode_unicode=True)))
+        assert [e[0] for e in events] == list(range(1, len(events) + 1)), [e[:2] for e in events]
+        assert events[0][1] == "response.created" and events[-1][1] in ("response.completed", "response.incomplete")
+        text = "".join(e[2]["delta"] for e in events if e[1] == "response.output_text.delta")
+        done = [e[2]["item"] for e in events if e[1] == "response.output_item.done"]
+        assert text and done[-1]["content"][0]["text"] == text
+    finally:
+        stack.close()
 
 
 def test_a_long_synchronous_request_repeated_with_its_key_runs_once(stack, edge, model_id, pg_url):

@@ -269,6 +269,40 @@ def test_the_engine_watch_reloads_after_a_pass_that_failed_half_way(sessions, pg
         ctx.writer.stop()
 
 
+def test_the_engine_watch_loads_again_when_a_new_engine_fails_to_start(sessions, pg_url, monkeypatch):
+    """Issue 21's chaos run (seed 7177): the new engine's core was killed while it started; the worker
+    exited (71) at once, although another load would have worked. It exits only after
+    ENGINE_RELOAD_SECONDS without an engine."""
+    from worker import recovery
+
+    def exit_(code):
+        raise AssertionError(f"the worker exited ({code})")
+
+    monkeypatch.setattr(recovery.os, "_exit", exit_)
+    dead = ScriptedEngine("")
+    dead.dead = True
+    dead.shutdown = lambda: None
+    tries = []
+
+    def new_engine():
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("Engine core initialization failed. See root cause above.")
+        return ScriptedEngine("")
+
+    ctx = worker_ctx(sessions, pg_url, dead)
+    ctx.hosts.primary.load = new_engine
+    try:
+        recovery.watch_engine(ctx)
+        assert not ctx.engine_ok.is_set() and ctx.hosts.primary.engine is None  # not claiming yet
+        recovery.watch_engine(ctx)
+        engine = ctx.hosts.primary.engine
+        assert len(tries) == 2 and engine is not None and engine is not dead and ctx.engine_ok.is_set()
+    finally:
+        ctx.stopping.set()
+        ctx.writer.stop()
+
+
 def test_attempt_n_held_by_two_workers_logs_only_the_current_ones_events(sessions):
     """Defect 9 on Postgres' group commit: a claim lost by a database crash let another worker claim the
     same attempt number; only the worker that holds the task now may log."""

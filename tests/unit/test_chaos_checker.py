@@ -30,12 +30,17 @@ def good_log(text_parts=("Hello", " world"), final="response.completed", marker_
     return log
 
 
+def frames(log):
+    """What a follower reads: every frame's data starts with type and sequence_number (events.typed)."""
+    return [[seq, name, {"type": name, "sequence_number": seq, **data}] for seq, name, data in log]
+
+
 def history(**task):
     rec = {"policy": "retry", "cancel": None, "final": {"status": "succeeded", "error_code": None,
                                                           "text": "Hello world"}, "log": good_log()}
     rec.update(task)
     return {"tasks": {"task_1": rec}, "followers": [{"task_id": "task_1", "transport": "sse",
-                                                      "events": copy.deepcopy(rec["log"]), "finished": True,
+                                                      "events": frames(rec["log"]), "finished": True,
                                                       "reconnects": 3}],
             "lease_seconds": 10, "sweep_seconds": 2}
 
@@ -85,14 +90,14 @@ def test_a_task_that_never_ended_is_a_violation():
 def test_a_wrong_policy_outcome_is_a_violation(policy, status, code, expected):
     log = good_log()[:3] + [ev(4, "response.failed", status="failed", error={"code": code})]
     h = history(policy=policy, final={"status": status, "error_code": code, "text": ""}, log=log)
-    h["followers"][0]["events"] = copy.deepcopy(log)
+    h["followers"][0]["events"] = frames(log)
     assert [v["what"][:len(expected)] for v in checker.check(h)] == [expected]
 
 
 def test_fail_and_resume_must_not_start_again():
     for policy in ("fail", "resume"):
         h = history(policy=policy, log=good_log(marker_before="Hel"))
-        h["followers"][0]["events"] = copy.deepcopy(h["tasks"]["task_1"]["log"])
+        h["followers"][0]["events"] = frames(h["tasks"]["task_1"]["log"])
         assert [v["what"] for v in checker.check(h)] == [f"a {policy} task started again from scratch"]
 
 
@@ -101,7 +106,7 @@ def test_two_items_in_one_attempt_is_a_rerun_without_a_marker():
     rerun = [ev(2, "response.output_item.added", output_index=0, item={"id": "msg_0"})]
     log = [log[0], *rerun, *[[e[0] + 1, e[1], e[2]] for e in log[1:]]]
     h = history(log=log)
-    h["followers"][0]["events"] = copy.deepcopy(log)
+    h["followers"][0]["events"] = frames(log)
     assert any("2 output items" in v["what"] for v in checker.check(h))
 
 
@@ -111,14 +116,14 @@ def test_the_final_text_must_be_the_last_attempts_stream():
     # A retry's text is what follows its last marker, not the whole stream.
     h = history(log=good_log(marker_before="Hel"), final={"status": "succeeded", "error_code": None,
                                                          "text": "HelHello world"})
-    h["followers"][0]["events"] = copy.deepcopy(h["tasks"]["task_1"]["log"])
+    h["followers"][0]["events"] = frames(h["tasks"]["task_1"]["log"])
     assert checks(h) == ["text"]
 
 
 def test_cancel_outcomes():
     cancelled_log = good_log()[:3] + [ev(4, "response.cancelled", status="cancelled")]
     h = history(final={"status": "cancelled", "error_code": None, "text": ""}, log=cancelled_log)
-    h["followers"][0]["events"] = copy.deepcopy(cancelled_log)
+    h["followers"][0]["events"] = frames(cancelled_log)
     assert [v["what"] for v in checker.check(h)] == ["cancelled although nobody cancelled it"]
     h = history(cancel="cancelling")  # the cancel was accepted, the task completed anyway
     assert [v["what"] for v in checker.check(h)] == ["the cancel answered 'cancelling' but the task ended succeeded"]
@@ -131,6 +136,12 @@ def test_a_follower_that_missed_or_repeated_an_event_is_a_violation():
     assert checks(h) == ["follower"]
     h = history()
     h["followers"][0]["finished"] = False
+    assert checks(h) == ["follower"]
+    h = history()
+    h["followers"][0]["events"][2][2]["sequence_number"] = 2  # a frame that names another event's id
+    assert checks(h) == ["follower"]
+    h = history()
+    h["followers"][0]["events"] = copy.deepcopy(h["tasks"]["task_1"]["log"])  # frames missing type
     assert checks(h) == ["follower"]
 
 

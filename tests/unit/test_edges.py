@@ -12,6 +12,7 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
+from api.grammar import CompileBudget
 from api.live import Hub, follow
 from api.ratelimit import StreamSlots
 from api.services.idempotency import Claims, Key
@@ -254,6 +255,28 @@ def test_a_schema_the_backend_cannot_compile_is_400(client, svc):
     resp = client.post("/lmsp/v1/responses", json=body(
         response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": fine}}))
     problem(resp, 503, "model_unavailable")  # passed the gate (no worker in this test)
+
+
+def test_the_compile_budget_is_per_principal():
+    budget = CompileBudget(seconds_per_minute=2, wait=0.2)
+    budget.take("mallory")
+    budget.take("nina")  # another principal's turn is its own
+    start = time.monotonic()
+    with pytest.raises(LMSPError) as err:
+        budget.take("mallory")  # one compile at a time: it waits for its own turn, then 429
+    assert err.value.code == "rate_limited" and err.value.retry_after >= 1
+    assert 0.2 <= time.monotonic() - start < 2
+    waiter = threading.Timer(0.05, budget.release, ["mallory"])
+    waiter.start()
+    budget.take("mallory")  # given back while it waited
+    budget.charge("mallory", 1.5)
+    budget.charge("mallory", 1.0)
+    budget.release("mallory")
+    with pytest.raises(LMSPError) as err:
+        budget.take("mallory")  # 2.5 s of compiles in the last minute
+    assert err.value.code == "rate_limited" and 55 <= err.value.retry_after <= 60
+    budget.release("nina")
+    budget.take("nina")
 
 
 # --- streams that end ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ def test_the_message_carries_the_tokens_the_worker_would_render(unit, alice, mon
     monkeypatch.setattr(interactive_wire, "send", lambda *args: (sent.append(args), send(*args)))
     with FakeWorker(unit.sessions, MODEL, text="Hello there"):
         assert alice.post("/lmsp/v1/responses", request_body()).status_code == 200
-    (_celery, _queue, _rid, ids), = sent
+    (_celery, _queue, _rid, ids, _logged), = sent
     tok = load_tokenizer(str(CHECKPOINT))
     req = ResponseRequest.model_validate(request_body())
     assert ids == tok.encode(render(tok, req))
@@ -24,3 +24,22 @@ def test_the_message_carries_the_tokens_the_worker_would_render(unit, alice, mon
     plain = interactive_wire.encode("resp_x")  # DirectWatch's copy: the worker renders it
     assert interactive_wire.decode(plain) == "resp_x" and interactive_wire.prompt_ids(plain) is None
     assert interactive_wire.prompt_ids({**plain, "prompt_ids": ["1"]}) is None
+
+
+def test_a_message_the_broker_fails_to_take_is_sent_again_not_a_500(unit, alice, monkeypatch):
+    # Issue 21's chaos run (seed 4242): kombu's pooled connection, broken by a Redis fault, raised
+    # AttributeError / IndexError from the send, after the response was committed: a 500.
+    sent = []
+    send = interactive_wire.send
+
+    def broken_once(*args):
+        sent.append(args)
+        if len(sent) == 1:
+            raise AttributeError("'NoneType' object has no attribute 'client'")
+        send(*args)
+
+    monkeypatch.setattr(interactive_wire, "send", broken_once)
+    with FakeWorker(unit.sessions, MODEL, text="Hello there"):
+        resp = alice.post("/lmsp/v1/responses", request_body())
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    assert resp.get_json()["status"] == "completed"  # the fake worker claims from the database
