@@ -227,8 +227,9 @@ def engine_pids(tag: str) -> list[int]:
         if not proc.name.isdigit():
             continue
         try:
+            marks = [e for e in (proc / "environ").read_bytes().split(b"\0") if e.startswith(b"LMSP_ENGINE_TAG=")]
             if (proc / "cmdline").read_bytes().startswith(b"VLLM::") and \
-                    f"LMSP_ENGINE_TAG={tag}".encode() in (proc / "environ").read_bytes().split(b"\0") and \
+                    any(m.split(b"=", 1)[1].split(b"@")[0] == tag.encode() for m in marks) and \
                     (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 pids.append(int(proc.name))
         except OSError:

@@ -21,9 +21,9 @@ from common.prompt import load_tokenizer
 from common.registry import EngineSettings
 from worker.gate import Delta, GatedHost, GenParams, Request
 from worker.procs import (
-    ENGINE_TAG_ENV,
     _descendants,
     _pin_process,
+    engine_markers,
     engine_processes,
     kill,
     vllm_process_prefix,
@@ -89,9 +89,11 @@ class EngineHost(GatedHost):
             # The engine binds its threads within the mask it inherits: a restart after
             # _keep_off_engine_cpus pinned this process must see every CPU again.
             os.sched_setaffinity(0, self._settings.cpus)
-        if self._tag is not None:
-            os.environ[ENGINE_TAG_ENV] = self._tag
         os.environ.update(self._settings.env)  # read by the engine processes this spawns
+        if self._tag is not None:
+            for name, value in engine_markers(self._tag).items():
+                os.environ.pop(name, None)  # set anew: the environment's last entry (see engine_markers)
+                os.environ[name] = value
         args = AsyncEngineArgs(
             **{"enforce_eager": True, **self._engine_args},
             model=self._checkpoint,

@@ -12,7 +12,6 @@ from pathlib import Path
 ENGINE_TAG_ENV = "LMSP_ENGINE_TAG"
 # The same for the database a worker serves: two deployments on one host (two `lmsp dev`, say) may
 # reuse a worker id, and must never end each other's engines.
-DEPLOYMENT_ENV = "LMSP_ENGINE_DEPLOYMENT"
 
 
 def vllm_process_prefix() -> str:
@@ -20,8 +19,20 @@ def vllm_process_prefix() -> str:
     return os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM")
 
 
+_deployment: str | None = None  # this process's deployment (mark_deployment)
+
+
 def mark_deployment(database_url: str) -> None:
-    os.environ[DEPLOYMENT_ENV] = hashlib.sha256(database_url.encode()).hexdigest()[:16]
+    global _deployment
+    _deployment = hashlib.sha256(database_url.encode()).hexdigest()[:16]
+
+
+def engine_markers(tag: str) -> dict[str, str]:
+    """The environment an engine this process starts carries, for kill_stale_engines to find it after a
+    SIGKILL: one variable, ``tag@deployment``. vLLM renames its processes (setproctitle), which
+    overwrites all but the end of what /proc/PID/environ shows: set it last, just before the load
+    (EngineHost._load), and it is what survives."""
+    return {ENGINE_TAG_ENV: f"{tag}@{_deployment}" if _deployment else tag}
 
 
 def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
@@ -33,9 +44,7 @@ def kill_stale_engines(tag: str, timeout: float = 10.0) -> list[int]:
     memory); call this at boot, before start(), with the worker's stable id as
     the tag. Our own descendants are spared. Returns the pids killed.
     """
-    markers = {f"{ENGINE_TAG_ENV}={tag}".encode()}
-    if DEPLOYMENT_ENV in os.environ:
-        markers.add(f"{DEPLOYMENT_ENV}={os.environ[DEPLOYMENT_ENV]}".encode())
+    markers = {f"{name}={value}".encode() for name, value in engine_markers(tag).items()}
     title = f"{vllm_process_prefix()}::".encode()
     killed = []
     for proc in Path("/proc").iterdir():
