@@ -132,9 +132,11 @@ def test_sigkill_mid_generation_then_restart(stack, alice, pair, sessions):
 
 
 def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
-    tasks = {policy: submit(alice, model, ESSAY.format(topic), policy)
+    # Long enough to be still running when the crash comes, however soon the direct requests start
+    # (300 tokens took 20 s on a quiet machine: all had ended once before the cancel below).
+    tasks = {policy: submit(alice, model, ESSAY.format(topic), policy, max_tokens=1000)
              for policy, topic in [("fail", "Rome"), ("retry", "Egypt"), ("resume", "China")]}
-    cancelling = submit(alice, model, ESSAY.format("Peru"), "resume")
+    cancelling = submit(alice, model, ESSAY.format("Peru"), "resume", max_tokens=1000)
     constrained = submit(alice, model, "List one hundred animals as JSON.", "resume", max_tokens=700,
                          response_format=SCHEMA_FORMAT)
     direct: list = []  # an interactive stream on the same worker: its client must not hang forever
