@@ -52,11 +52,16 @@ run: model
 FREE_LOG   := $(VENV)/server-free-tests.log
 FAULTS_LOG := $(VENV)/fault-tests.log
 SERVER_FREE := tests/unit tests/functional/test_embedded.py
+# Tests that build a stack of their own: they follow the faults lane, which ends minutes before the rest.
+OWN_STACKS := tests/functional/test_hub_model.py tests/functional/test_models.py
 test: model browser
 	@$(BIN)/pytest -q -p no:cacheprovider --durations=5 --basetemp=$(VENV)/server-free-tmp $(SERVER_FREE) > $(FREE_LOG) 2>&1 & free=$$!; \
-	$(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/faults-tmp tests/faults > $(FAULTS_LOG) 2>&1 & faults=$$!; \
-	$(BIN)/pytest --durations=15 --ignore=tests/functional/test_embedded.py tests/functional; stack=$$?; \
-	wait $$faults; faultss=$$?; echo "== tests/faults (ran beside the stack, on servers of their own)"; cat $(FAULTS_LOG); \
+	{ $(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/faults-tmp tests/faults; f=$$?; \
+	  $(BIN)/pytest -p no:cacheprovider --durations=5 --basetemp=$(VENV)/engines-tmp $(OWN_STACKS); \
+	  e=$$?; test $$f -eq 0 && test $$e -eq 0; } > $(FAULTS_LOG) 2>&1 & faults=$$!; \
+	$(BIN)/pytest --durations=15 --ignore=tests/functional/test_embedded.py \
+	  $(foreach t,$(OWN_STACKS),--ignore=$(t)) tests/functional; stack=$$?; \
+	wait $$faults; faultss=$$?; echo "== tests/faults, then $(OWN_STACKS) (ran beside the stack)"; cat $(FAULTS_LOG); \
 	wait $$free; frees=$$?; echo "== $(SERVER_FREE) (ran beside the stack)"; cat $(FREE_LOG); \
 	test $$stack -eq 0 && test $$faultss -eq 0 && test $$frees -eq 0
 

@@ -132,13 +132,6 @@ def test_sigkill_mid_generation_then_restart(stack, alice, pair, sessions):
 
 
 def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
-    # Long enough to be still running when the crash comes, however soon the direct requests start
-    # (300 tokens took 20 s on a quiet machine: all had ended once before the cancel below).
-    tasks = {policy: submit(alice, model, ESSAY.format(topic), policy, max_tokens=1000)
-             for policy, topic in [("fail", "Rome"), ("retry", "Egypt"), ("resume", "China")]}
-    cancelling = submit(alice, model, ESSAY.format("Peru"), "resume", max_tokens=1000)
-    constrained = submit(alice, model, "List one hundred animals as JSON.", "resume", max_tokens=700,
-                         response_format=SCHEMA_FORMAT)
     direct: list = []  # an interactive stream on the same worker: its client must not hang forever
 
     def stream_direct():
@@ -153,16 +146,25 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
         body = {"model": model, "input": user(ESSAY.format("Mali")), "max_output_tokens": 900}
         sync.append(alice.post("/lmsp/v1/responses", body))
 
+    # The direct requests start first: the tasks then need only a few seconds to be running, so short
+    # tasks are still mid-generation when the crash comes (waiting on the direct requests after the
+    # tasks once let 300-token tasks end before it).
     direct_thread = threading.Thread(target=stream_direct, daemon=True)
     direct_thread.start()
     sync_thread = threading.Thread(target=sync_direct, daemon=True)
     sync_thread.start()
+    wait_for(lambda: _direct_responses(sessions, model, "in_progress") == 2, 120, "the direct requests did not start")
+    tasks = {policy: submit(alice, model, ESSAY.format(topic), policy)
+             for policy, topic in [("fail", "Rome"), ("retry", "Egypt"), ("resume", "China")]}
+    cancelling = submit(alice, model, ESSAY.format("Peru"), "resume")
+    constrained = submit(alice, model, "List one hundred animals as JSON.", "resume", max_tokens=700,
+                         response_format=SCHEMA_FORMAT)
     followers = {p: Follower(alice, t) for p, t in {**tasks, "json": constrained}.items()}
     for f in followers.values():
         f.start()
     wait_for(lambda: all(f.deltas() >= 12 for f in followers.values()), 300, "generation did not start")
     wait_for(lambda: alice.get(f"/lmsp/v1/tasks/{cancelling['id']}").json()["status"] == "running", 60, "run")
-    wait_for(lambda: _queued_responses(sessions, model) == 0, 60, "the direct requests did not start")
+    assert len(direct) > 1 and not sync, "the direct requests ended before the crash"
     os.kill(proc.pid, signal.SIGSTOP)  # freeze it so the cancel below cannot complete before the crash
     assert alice.post(f"/lmsp/v1/tasks/{cancelling['id']}/cancel").json()["status"] == "cancelling"
     before = {p: f.text() for p, f in followers.items()}
@@ -226,10 +228,12 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
     assert sum(1 for e in direct if e[1] in FINALS) == 1
 
 
-def _queued_responses(sessions, model) -> int:
+def _direct_responses(sessions, model, status) -> int:
+    """Direct responses (no task behind them) of the model in the status."""
     with sessions() as session:
         return session.execute(select(func.count()).select_from(Response).where(
-            Response.model == model, Response.status == "queued")).scalar()
+            Response.model == model, Response.status == status,
+            Response.id.not_in(select(Task.response_id)))).scalar()
 
 
 @pytest.fixture
