@@ -2,12 +2,13 @@
 ``--model a,b`` (or ``LMSP_WORKER_MODELS``) the engines of several models, loaded on demand within a
 memory budget (worker/residency.py).
 
-Order matters: end any engine a killed predecessor left behind, load the (first) engine,
-hand on this worker's unfinished tasks by their restart policy, announce the
-worker (heartbeat), and only then consume the models' queues.
+Order matters: end any engine a killed predecessor left behind, announce the worker (heartbeat)
+and hand on its unfinished tasks by their restart policy, load the (first) engine, and only then
+consume the models' queues.
 """
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -118,7 +119,19 @@ def build(model_ids: list[str], gpu: int | None, tensor_parallel: int = 1) -> Wo
     ctx = WorkerContext(settings=settings, worker_id=worker_id, sessions=sessions, celery=make_celery(settings),
                         publisher=publisher, writer=None, hosts=hosts)
     ctx.writer = EventWriter(sessions, publisher, ctx.lose, ctx.stopping)
-    hosts.load(model_ids[0], ctx.stopping)  # the first model at boot; the others when work for them comes
+    # What this id ran before it restarted is handed on before the engine loads (a minute or more on a
+    # busy host): its fail tasks end now and its retry/resume tasks go to a ready peer meanwhile. From
+    # here the process holds the id (identity.ensure_sole) and heartbeats, "loading" until it is ready.
+    recovery.heartbeat(ctx, boot=True)
+    recovery.recover_own(ctx)
+    recovery.start_heartbeat(ctx)
+    try:
+        hosts.load(model_ids[0], ctx.stopping)  # the first model at boot; the others when work for them comes
+    except BaseException:  # a failed load or SIGTERM (Stopped): the workers list shows it gone at once
+        ctx.stopping.set()
+        with contextlib.suppress(Exception):
+            recovery.heartbeat(ctx, stopped=True)
+        raise
     hosts.on_change = lambda: recovery.announce(ctx)
     ctx.engine_ok.set()
     return ctx
@@ -147,8 +160,6 @@ def serve(ctx: WorkerContext) -> None:
     concurrency = max(slot.spec.max_num_seqs for slot in ctx.hosts.slots.values())
     queues = ",".join(slot.spec.queue for slot in ctx.hosts.slots.values())
     try:  # a SIGTERM before Celery takes the signals over (_stop_now) ends the engine here too
-        recovery.heartbeat(ctx, boot=True)  # this process holds the id from now on (identity.ensure_sole)
-        recovery.recover_own(ctx)
         recovery.start_background(ctx)
         interactive.start(ctx)
         app.worker_main(["worker", "-P", "threads", "-c", str(concurrency), "-Q", queues,

@@ -345,9 +345,13 @@ def watch_cancellations(ctx: WorkerContext) -> None:
         ctx.cancel(rid)
 
 
+def start_heartbeat(ctx: WorkerContext) -> threading.Thread:
+    """From boot, before the engine loads: the id stays held and the workers list shows "loading"."""
+    return _every(ctx, ctx.settings.heartbeat_seconds, heartbeat, "lmsp-heartbeat")
+
+
 def start_background(ctx: WorkerContext) -> list[threading.Thread]:
     threads = [
-        _every(ctx, ctx.settings.heartbeat_seconds, heartbeat, "lmsp-heartbeat"),
         _every(ctx, ctx.settings.sweep_seconds, sweep, "lmsp-sweeper"),
         _every(ctx, 0.5, watch_cancellations, "lmsp-cancel-watch"),
         _every(ctx, 1.0, watch_engine, "lmsp-engine-watch"),

@@ -19,7 +19,7 @@ from common.broker import BACKGROUND, dispatch, make_celery
 from common.db import make_engine, session_factory
 from common.registry import queue_name
 from common.settings import Settings
-from common.tables import Response, Task
+from common.tables import Response, Task, Worker
 from tests.harness import engine_pids, iter_sse, user, wait_for
 
 FINALS = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
@@ -173,15 +173,21 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
     stale = engine_pids(worker_id)
     assert stale, "expected the killed worker's engine to outlive it"
 
-    restarted = stack.start_worker(model, worker_id, **pair["env"])  # same identity: applies on_restart at boot
-    pair["pair-a"] = restarted
+    booted: list = []  # same identity: applies on_restart at boot
+    restarter = threading.Thread(target=lambda: booted.append(stack.start_worker(model, worker_id, **pair["env"])),
+                                 daemon=True)
+    restarter.start()
+    # Its own tasks are handed on at boot, before its engine loads (a minute or more on a busy host).
+    failed = final_task(alice, tasks["fail"]["id"], timeout=300)
+    assert _worker_state(sessions, worker_id) == "loading", "on_restart waited for the engine to load"
+    restarter.join(600)
+    pair["pair-a"] = booted[0]
     assert not set(stale) & set(engine_pids(worker_id)), "the stale engine must be gone"
     for f in followers.values():
         f.join(600)
         assert not f.is_alive()
         check_exactly_once(f.events)
 
-    failed = final_task(alice, tasks["fail"]["id"])
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_restarted"
     assert followers["fail"].events[-1][1] == "response.failed"
     assert followers["fail"].events[-1][2]["error"]["code"] == "server_restarted"
@@ -226,6 +232,11 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
     assert sync[0].headers["Content-Type"] == "application/problem+json"
     assert sync[0].json()["code"] == "server_restarted"
     assert sum(1 for e in direct if e[1] in FINALS) == 1
+
+
+def _worker_state(sessions, worker_id) -> str:
+    with sessions() as session:
+        return session.execute(select(Worker.state).where(Worker.id == worker_id)).scalar()
 
 
 def _direct_responses(sessions, model, status) -> int:
