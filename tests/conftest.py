@@ -1,9 +1,18 @@
+import os
 import uuid
 
 import pytest
 import yaml
 
 from tests.harness import PG_URL, REDIS_URL, Client, Stack, create_database, drop_database, model_entry
+
+# Tests run several engines at once on two cores. vLLM's "auto" binding puts every one of them on the
+# first core (keeping the last for its scheduler) and the workers on the other, so one core queued five
+# engines' forward passes and process starts while the other idled. Unbound, one OpenMP thread each,
+# the kernel spreads them. Production keeps "auto" (one engine per host); tests/bench pins every side
+# alike (tests/bench/verdict.py).
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
