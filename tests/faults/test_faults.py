@@ -121,17 +121,18 @@ def final_task(client, task_id, timeout=600):
     return client.get(f"/lmsp/v1/tasks/{task_id}").json()
 
 
-def test_sigkill_mid_generation_then_restart(stack, alice, pair, sessions):
+def test_sigkill_mid_generation_then_restart(stack, alice, pair, sessions, worker):
     model, worker_id = stack.pair_model, "pair-a"
     proc = pair["pair-a"]
     os.kill(pair["pair-b"].pid, signal.SIGSTOP)  # all on pair-a; nobody takes over: its own boot applies on_restart
     try:
-        _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc)
+        _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc, peer=worker)
     finally:
         os.kill(pair["pair-b"].pid, signal.SIGCONT)
+        os.kill(worker.pid, signal.SIGCONT)
 
 
-def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
+def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc, peer):
     direct: list = []  # an interactive stream on the same worker: its client must not hang forever
 
     def stream_direct():
@@ -165,6 +166,9 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
     wait_for(lambda: all(f.deltas() >= 12 for f in followers.values()), 300, "generation did not start")
     wait_for(lambda: alice.get(f"/lmsp/v1/tasks/{cancelling['id']}").json()["status"] == "running", 60, "run")
     assert len(direct) > 1 and not sync, "the direct requests ended before the crash"
+    # The session's worker (another model) sweeps every model's dead workers: frozen until pair-a is back,
+    # so the restarted worker's own boot applies on_restart, not a take-over once the lease is past.
+    os.kill(peer.pid, signal.SIGSTOP)
     os.kill(proc.pid, signal.SIGSTOP)  # freeze it so the cancel below cannot complete before the crash
     assert alice.post(f"/lmsp/v1/tasks/{cancelling['id']}/cancel").json()["status"] == "cancelling"
     before = {p: f.text() for p, f in followers.items()}
@@ -180,6 +184,7 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
     # Its own tasks are handed on at boot, before its engine loads (a minute or more on a busy host).
     failed = final_task(alice, tasks["fail"]["id"], timeout=300)
     assert _worker_state(sessions, worker_id) == "loading", "on_restart waited for the engine to load"
+    os.kill(peer.pid, signal.SIGCONT)
     restarter.join(600)
     pair["pair-a"] = booted[0]
     assert not set(stale) & set(engine_pids(worker_id)), "the stale engine must be gone"
