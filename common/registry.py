@@ -36,7 +36,7 @@ class ModelSpec(BaseModel):
     # vLLM engine arguments (dtype, max_model_len, max_num_seqs, ...), or the simulated engine: `sim`, or
     # {kind: sim, ttft_ms, tokens_per_s, max_num_seqs, ...} (worker/sim.py; for load tests, no GPU, no vLLM).
     engine: dict = Field(default_factory=dict)
-    kv_cache_gib: float | None = None             # CPU KV cache; None: sized from free memory
+    kv_cache_gib: float | None = Field(None, gt=0)  # CPU KV cache (a part of a GiB too); None: from free memory
     # What the model holds once loaded, for a worker of several models (LMSP_WORKER_MEMORY_BUDGET_GIB);
     # None: estimated (memory_gib below). Set it on a GPU, with the engine's gpu_memory_utilization to match.
     memory_gib: float | None = Field(None, ge=0)
@@ -345,7 +345,11 @@ def resolve_engine(spec: ModelSpec, machine: Machine, environ=None) -> EngineSet
     resolved = {"device": machine.device, "dtype": f"{dtype} ({why})"}
     env: dict[str, str] = {}
     if machine.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"], resolved["kv_cache"] = _cpu_kv_cache(spec, args, machine, environ)
+        gib, resolved["kv_cache"] = _cpu_kv_cache(spec, args, machine, environ)
+        if float(gib).is_integer():
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(gib))
+        else:  # vLLM's variable takes whole GiB only (and overrides the argument, so it is left unset)
+            args["kv_cache_memory_bytes"] = int(gib * (1 << 30))
         resolved["omp_threads"] = _cpu_threads(machine, environ)
     return EngineSettings(args=args, env=env, resolved=resolved, cpus=machine.cpus if machine.device == "cpu" else ())
 
@@ -362,22 +366,22 @@ def memory_gib(spec: ModelSpec, settings: EngineSettings) -> float:
     if spec.engine_kind == "sim":
         return 0.0
     weights = sum(f.stat().st_size for f in Path(local_checkpoint(spec)).glob("*.safetensors"))
-    return weights / (1 << 30) + float(settings.env.get("VLLM_CPU_KVCACHE_SPACE", 0)) + ENGINE_RUNTIME_GIB
+    kv = float(settings.env.get("VLLM_CPU_KVCACHE_SPACE", 0)) + settings.args.get("kv_cache_memory_bytes", 0) / (1 << 30)
+    return weights / (1 << 30) + kv + ENGINE_RUNTIME_GIB
 
 
-def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tuple[str, str]:
+def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tuple[float, str]:
     if environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        return environ["VLLM_CPU_KVCACHE_SPACE"], f"{environ['VLLM_CPU_KVCACHE_SPACE']} GiB (environment)"
+        return float(environ["VLLM_CPU_KVCACHE_SPACE"]), f"{environ['VLLM_CPU_KVCACHE_SPACE']} GiB (environment)"
     if spec.kv_cache_gib is not None:
-        gib = max(1, math.ceil(spec.kv_cache_gib))
-        return str(gib), f"{gib} GiB (model)"
+        return spec.kv_cache_gib, f"{spec.kv_cache_gib:g} GiB (model)"
     # Enough for every sequence of a full batch at full length, within a share of free memory.
     per_token = _kv_bytes_per_token(spec, args["dtype"])
     length = int(args.get("max_model_len") or spec.context_window)
     want = per_token * length * spec.max_num_seqs if per_token else 4 << 30
     cap = int(machine.mem_available * KV_MEMORY_FRACTION)
     gib = max(1, math.ceil(min(want, cap) / (1 << 30)) if cap else math.ceil(want / (1 << 30)))
-    return str(gib), (f"{gib} GiB (auto: full batch needs {want / (1 << 30):.1f} GiB, "
+    return float(gib), (f"{gib} GiB (auto: full batch needs {want / (1 << 30):.1f} GiB, "
                       f"{machine.mem_available / (1 << 30):.0f} GiB free)")
 
 

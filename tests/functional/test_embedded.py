@@ -112,9 +112,9 @@ def test_dev_stops_everything_on_sigterm(dev):
     wait_for(lambda: engine_pids(tag) == [], 10, "engine left behind after lmsp dev stopped")
 
 
-def _running_task(client: Client, model: str, on_restart: str) -> dict:
+def _running_task(client: Client, model: str, on_restart: str, max_tokens: int = 1000) -> dict:
     task = client.post("/lmsp/v1/tasks", {"type": "response", "on_restart": on_restart, "input": {
-        "model": model, "input": user("Write a long essay about rivers."), "max_output_tokens": 1000}}).json()
+        "model": model, "input": user("Write a long essay about rivers."), "max_output_tokens": max_tokens}}).json()
     wait_for(lambda: client.get(f"/lmsp/v1/tasks/{task['id']}").json()["status"] == "running", 120, "run")
     return task
 
@@ -145,7 +145,8 @@ def _crash_and_restart(stack: Stack, model: str, runs: list) -> None:
     tag = f"{socket.gethostname()}:{model}"
     first, client = _start_dev(stack, "dev-1.log")
     runs.append(first)
-    failing, retried = (_running_task(client, model, policy) for policy in ("fail", "retry"))
+    # Still running when the kill comes right after the second starts; the retried one runs again in full.
+    failing, retried = (_running_task(client, model, policy, max_tokens=300) for policy in ("fail", "retry"))
     # All of it at once, as a power cut would: the killed worker's heartbeat looks live for a lease,
     # yet the next run says ready only once its own engine serves; each task follows its policy.
     os.killpg(first.pid, signal.SIGKILL)

@@ -59,6 +59,14 @@ def test_explicit_kv_cache_wins_environment_first(checkpoint):
     assert got.env == {"VLLM_CPU_KVCACHE_SPACE": "7"} and "environment" in got.resolved["kv_cache"]
 
 
+def test_a_part_of_a_gib_goes_to_vllm_as_bytes(checkpoint):
+    # VLLM_CPU_KVCACHE_SPACE takes whole GiB (and would override the argument): a fraction travels in bytes.
+    got = resolve_engine(spec(checkpoint, kv_cache_gib=0.5), machine(), environ={})
+    assert got.env == {} and got.args["kv_cache_memory_bytes"] == GiB // 2
+    assert "0.5 GiB (model)" in got.resolved["kv_cache"]
+    assert "kv_cache_memory_bytes" not in resolve_engine(spec(checkpoint, kv_cache_gib=2), machine(), environ={}).args
+
+
 def test_gpu_leaves_memory_to_vllm(checkpoint):
     got = resolve_engine(spec(checkpoint), machine(device="cuda", cuda_bf16=True), environ={})
     assert got.env == {} and "kv_cache" not in got.resolved
