@@ -39,7 +39,7 @@ import redis
 from common import eventlog
 from common.bus import HUB, channel, decode, response_of
 from common.errors import LMSPError, problem
-from common.events import ERROR, FINAL, HEARTBEAT, Sequence, dumps, sse, sse_many, ws_frame
+from common.events import CREATED, ERROR, FINAL, HEARTBEAT, Sequence, created, dumps, sse, sse_many, ws_frame
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.live")
@@ -538,6 +538,10 @@ class Follower:
         if final:
             self.end(FINISHED)
         elif closing is not None:
+            if closing and self.last == 0 and closing[0][0] != CREATED:
+                # Nothing reached this stream (a direct response whose worker died before its first
+                # event): it starts with response.created all the same.
+                closing = [(CREATED, dumps(created(self.response_id))), *closing]
             if closing:
                 self.sink.events(Batch(Sequence(self.last).number(closing)))
             self.end(FINISHED)

@@ -120,10 +120,9 @@ class DirectWatch:
         else:
             name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                                       incomplete_details=row.incomplete_details)
-        closing = [(name, dumps(data))]  # numbered by the follower (events.Sequence) after the last it sent
-        if row is not None and row.worker_id is None:  # no worker took it, so none sent response.created:
-            closing.insert(0, (events.CREATED, dumps(events.created(row.id))))  # a stream starts with it
-        return closing
+        # Numbered by the follower (events.Sequence) after the last it sent; one that sent nothing yet
+        # puts response.created first (api/live.py).
+        return [(name, dumps(data))]
 
     def _unstick(self, session: Session, row: Response) -> bool:
         """True when it failed the response now."""

@@ -81,6 +81,17 @@ def test_nothing_after_the_final_event(unit, alice):
     assert got == [events.CREATED, events.COMPLETED]
 
 
+def test_a_stream_that_ends_before_its_first_event_still_starts_with_created(unit, alice):
+    # Chaos seed 4099: a worker took a direct response and was killed before its first event; the
+    # stream's only event was response.failed.
+    task = alice.task("running")
+    failed = events.final(task.response_id, "failed", error={"code": "server_restarted"})
+    batches = follow(_hub(unit), task.response_id, 0, logged=True, heartbeat=1,
+                     ended=lambda: [(failed[0], events.dumps(failed[1]))])
+    got = [(seq, name) for batch in batches for seq, name, _ in batch]
+    assert got == [(1, events.CREATED), (2, events.FAILED)]
+
+
 def test_live_events_follow_the_replay_each_once(unit, alice):
     task = alice.task("running")
     script = _script(task.response_id)
