@@ -56,7 +56,7 @@ def model_entry(model_id: str, **overrides) -> dict:
         # gives other texts and is not batch-invariant. `lmsp dev`'s test serves auto (test_embedded.py).
         "engine": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 32, "enforce_eager": True},
         # Half a GiB holds ~11,000 float32 tokens of this model, more than any test has in flight; a run holds
-        # up to six engines at once, and with a whole GiB each a 24 GiB machine had 5-6 GiB left (and swapped).
+        # up to six engines at once, and with a whole GiB each a 24 GiB machine had 5-6 GiB left while they loaded.
         "kv_cache_gib": 0.5,
     }
     entry.update(overrides)
