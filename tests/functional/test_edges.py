@@ -294,7 +294,7 @@ def test_one_principals_slow_schemas_do_not_stall_anothers(tmp_path, pg_url):
             warm = list(pool.map(send, ["mallory", "nina"], [simple(0), simple(1)]))
         assert [r.status_code for r, _ in warm] == [202, 202], [r.text for r, _ in warm]
 
-        stop = time.monotonic() + 12
+        stop = time.monotonic() + 8
 
         def flood(k):
             answers, n = [], k
@@ -305,11 +305,11 @@ def test_one_principals_slow_schemas_do_not_stall_anothers(tmp_path, pg_url):
 
         with ThreadPoolExecutor(4) as pool:
             floods = [pool.submit(flood, k) for k in range(4)]
-            time.sleep(3)
+            time.sleep(2)
             nina = []
             for i in range(3):
                 nina.append(send("nina", simple(10 + i)))
-                time.sleep(2)
+                time.sleep(1.5)
         for resp, took in nina:
             assert resp.status_code == 202, resp.text
             assert took < 10, f"another principal's schema waited {took:.1f} s"
