@@ -114,7 +114,10 @@ def check_task(task_id: str, rec: dict) -> list[Violation]:
         elif code != "server_restarted":
             out.append(Violation("policy", task_id, f"failed with {code}, not an outcome of its policy "
                                  f"({policy}) for a restart", error=final.get("error")))
-    if policy in ("fail", "resume") and marks:
+    # An attempt that logged no output is run again whatever the policy (its engine died before its first
+    # token: nothing could have had an effect); a marker after output is a fail/resume task run twice.
+    output = [i for i, e in enumerate(log) if e[1] in (ITEM_ADDED, DELTA)]
+    if policy in ("fail", "resume") and output and any(log.index(m) > output[0] for m in marks):
         out.append(Violation("policy", task_id, f"a {policy} task started again from scratch",
                              marks=[m[:2] for m in marks]))
     if len(items) > 1:

@@ -101,6 +101,16 @@ def test_fail_and_resume_must_not_start_again():
         assert [v["what"] for v in checker.check(h)] == [f"a {policy} task started again from scratch"]
 
 
+def test_fail_and_resume_may_run_again_an_attempt_that_logged_no_output():
+    """Chaos seed 4099: a fail task's engine died before its first token; the task ran again (marked)."""
+    for policy in ("fail", "resume"):
+        log = good_log()
+        log = [log[0], ev(2, checker.MARK, attempt=2), *[[e[0] + 1, e[1], e[2]] for e in log[1:]]]
+        h = history(policy=policy, log=log)
+        h["followers"][0]["events"] = frames(log)
+        assert checker.check(h) == []
+
+
 def test_two_items_in_one_attempt_is_a_rerun_without_a_marker():
     log = good_log()
     rerun = [ev(2, "response.output_item.added", output_index=0, item={"id": "msg_0"})]
