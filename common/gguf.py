@@ -1,5 +1,7 @@
 """Import a GGUF checkpoint as a safetensors checkpoint directory that vLLM loads."""
 
+import contextlib
+import functools
 import hashlib
 import json
 import shutil
@@ -64,26 +66,55 @@ def _load(gguf_file: Path, progress: Callable[[str], None]):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    progress("reading tokenizer and chat template from GGUF")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    with _parsed_once():
+        progress("reading tokenizer and chat template from GGUF")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
 
-    progress("dequantizing GGUF weights")
-    # Left to its default, transformers attaches a GGUF quantizer (which
-    # save_pretrained refuses to serialize, and whose quantization_config would
-    # make vLLM look for a GGUF file) and may keep some architectures' weights
-    # in packed blocks. dequantize=True yields plain dense tensors and detaches
-    # the quantizer and its config once loading is done.
-    # bfloat16 halves RAM and disk against float32, and each tensor is cast
-    # right after it is dequantized, so float32 copies never pile up.
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent,
-        gguf_file=gguf_file.name,
-        quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.bfloat16,
-    )
+        progress("dequantizing GGUF weights")
+        # Left to its default, transformers attaches a GGUF quantizer (which
+        # save_pretrained refuses to serialize, and whose quantization_config would
+        # make vLLM look for a GGUF file) and may keep some architectures' weights
+        # in packed blocks. dequantize=True yields plain dense tensors and detaches
+        # the quantizer and its config once loading is done.
+        # bfloat16 halves RAM and disk against float32, and each tensor is cast
+        # right after it is dequantized, so float32 copies never pile up.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent,
+            gguf_file=gguf_file.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.bfloat16,
+        )
     # The GGUF tokenizer carries no length limit; the model's is the real one.
     tokenizer.model_max_length = model.config.max_position_embeddings
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _parsed_once():
+    """transformers parses a GGUF's metadata three times (tokenizer, config, weights) and rebuilds gguf's
+    tensor-name map once per module: on a small model, about half of an import's CPU. Within an import
+    each is done once (transformers imports both names from the package when it calls them)."""
+    import gguf
+
+    originals = {name: getattr(gguf, name, None) for name in ("GGUFReader", "get_tensor_name_map")}
+    if None in originals.values():  # another gguf-py: nothing to share
+        yield
+        return
+    readers: dict = {}
+
+    def reader(path, *args, **kw):
+        key = (str(path), args, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = originals["GGUFReader"](path, *args, **kw)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(originals["get_tensor_name_map"])
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(gguf, name, value)
 
 
 def _save(model, tokenizer, info: dict, out_dir: Path, progress: Callable[[str], None]) -> None:
