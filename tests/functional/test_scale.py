@@ -151,7 +151,10 @@ def test_retention_drops_a_whole_partition_and_the_events_endpoint_answers_410(p
         ids.append((task.id, response.id))
     with partitions._admin(engine) as conn:
         assert partitions.parts(conn)[0].name == "events_p0"
-    assert partitions.drop_expired(engine, retention) == 0  # the second task keeps it
+    # Counted by name: the run's own later periods may be past the retention too, and go.
+    partitions.drop_expired(engine, retention)
+    with partitions._admin(engine) as conn:
+        assert "events_p0" in {p.name for p in partitions.parts(conn)}  # the second task keeps it
     with sessions() as session:
         flags = dict(session.execute(select(Task.id, Task.events_expired).where(
             Task.id.in_([t for t, _ in ids]))).all())
@@ -160,7 +163,7 @@ def test_retention_drops_a_whole_partition_and_the_events_endpoint_answers_410(p
     assert bob.get(f"/lmsp/v1/tasks/{ids[0][0]}/events").status_code == 410
     with transaction(sessions) as session:
         session.execute(update(Task).where(Task.id == ids[1][0]).values(ended_at=past + 120))
-    assert partitions.drop_expired(engine, retention) == 1
+    assert partitions.drop_expired(engine, retention) >= 1
     with partitions._admin(engine) as conn:
         assert "events_p0" not in {p.name for p in partitions.parts(conn)}
     with sessions() as session:
