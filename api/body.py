@@ -8,6 +8,7 @@ import json
 import math
 
 from flask import request
+from gunicorn.http.errors import ParseException
 
 from api.extensions import services
 from common.errors import LMSPError
@@ -94,7 +95,10 @@ def json_body():
     if coding not in ("", "identity"):  # RFC 7694: else a gzip body reads as "not valid UTF-8"
         raise LMSPError("unsupported_media_type", f"Content-Encoding {coding} is not accepted; send the body "
                         "uncompressed")
-    raw = request.get_data(cache=True)  # werkzeug enforces MAX_CONTENT_LENGTH -> 413
+    try:
+        raw = request.get_data(cache=True)  # werkzeug enforces MAX_CONTENT_LENGTH -> 413
+    except ParseException as exc:  # gunicorn's: a chunked body whose framing is broken
+        raise LMSPError("invalid_request", f"The body cannot be read: {exc}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

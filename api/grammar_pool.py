@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from common.errors import LMSPError
 
@@ -132,29 +133,51 @@ class HelperPool:
 
 def _serve() -> None:
     """The helper: one JSON job a line on stdin, one answer a line on stdout."""
+    answers, sys.stdout = sys.stdout, sys.stderr  # the libraries' own prints and logs (vLLM's go to stdout)
     try:
         import xgrammar
         from transformers import AutoTokenizer
     except ImportError as exc:
-        print(json.dumps({"ready": False, "error": str(exc)}), flush=True)
+        print(json.dumps({"ready": False, "error": str(exc)}), file=answers, flush=True)
         return
-    print(json.dumps({"ready": True}), flush=True)
-    compilers = {}
+    engine_check = _engine_check()
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    compilers, tokenizers = {}, {}
     for line in sys.stdin:
         job = json.loads(line)
         checkpoint = job["checkpoint"]
         try:
             if checkpoint not in compilers:
-                info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(checkpoint))
+                tokenizers[checkpoint] = AutoTokenizer.from_pretrained(checkpoint)
+                info = xgrammar.TokenizerInfo.from_huggingface(tokenizers[checkpoint])
                 compilers[checkpoint] = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             if "schema" in job:
                 compilers[checkpoint].compile_json_schema(job["schema"], any_whitespace=True)
+                engine_check(json.loads(job["schema"]), tokenizers[checkpoint])
             answer = {"error": None}
         except Exception as exc:  # noqa: BLE001 - whatever the backend refuses is the client's answer
             # xgrammar's messages start with "[time] file.cc:line: "; the client needs only the rest.
             text = _SOURCE.sub("", " ".join(str(exc).split()))
             answer = {"error": text[:500] or type(exc).__name__}
-        print(json.dumps(answer), flush=True)
+        print(json.dumps(answer), file=answers, flush=True)
+
+
+def _engine_check():
+    """vLLM's own check of a structured-output request, as the worker's engine makes it (backend auto:
+    xgrammar, else guidance or outlines). A schema xgrammar compiles may still be one the engine refuses
+    (uniqueItems, contains, an unknown format): refused here, it is a 400, not a generation that fails
+    after its 200 or 202. Without vLLM (an api-only install) only xgrammar's compile applies."""
+    try:
+        from vllm.config import StructuredOutputsConfig
+        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    except ImportError:
+        return lambda schema, tokenizer: None
+    config, model = StructuredOutputsConfig(backend="auto"), SimpleNamespace(is_diffusion=False)
+
+    def check(schema: dict, tokenizer) -> None:
+        params = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json=schema))
+        params._validate_structured_outputs(model, config, tokenizer)  # what verify() runs in the engine
+    return check
 
 
 if __name__ == "__main__":

@@ -257,6 +257,28 @@ def test_a_schema_the_backend_cannot_compile_is_400(client, svc):
     problem(resp, 503, "model_unavailable")  # passed the gate (no worker in this test)
 
 
+@pytest.mark.parametrize("schema, why", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+    ({"type": "string", "format": "no-such-format"}, "no-such-format"),
+    ({"type": "object", "propertyNames": {"pattern": "^a", "maxLength": 3}}, "propertyNames"),
+])
+def test_a_schema_xgrammar_compiles_but_the_engine_refuses_is_400(client, svc, schema, why):
+    """The engine (vLLM, backend auto) falls back from xgrammar to guidance for these, which refuses them:
+    past the door, a synchronous request would answer 500 generation_failed, a task would fail."""
+    pytest.importorskip("vllm")
+    before = rows(svc)
+    doc = problem(client.post("/lmsp/v1/responses", json=body(
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})),
+        400, "invalid_request", "response_format.json_schema.schema")
+    assert why in doc["detail"]
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": schema}}}]
+    named = body(tools=tools, tool_choice={"type": "function", "name": "f"})
+    problem(client.post("/lmsp/v1/tasks", json={"type": "response", "input": named}), 400, "invalid_request",
+            "input.tools[0].parameters")
+    assert rows(svc) == before
+
+
 def test_the_compile_budget_is_per_principal():
     budget = CompileBudget(seconds_per_minute=2, wait=0.2)
     budget.take("mallory")

@@ -2,14 +2,17 @@
 tickets, ambiguous JSON, broken WebSocket handshakes and floods. Each gets a problem document (or,
 on an open socket, a close), never a 500, and changes nothing."""
 
+import io
 import json
 import socket
 import threading
 import time
 
 import pytest
-from sqlalchemy import event
+from gunicorn.http.errors import ChunkMissingTerminator, InvalidChunkExtension, InvalidChunkSize
+from sqlalchemy import event, func, select
 
+from common.tables import Response, Task
 from tests.harness import wait_for
 from tests.unit.conftest import make_unit, problem, task_body
 
@@ -203,6 +206,29 @@ def test_a_compressed_body_is_415_not_a_puzzle(unit, alice):
     resp = alice.post("/lmsp/v1/tasks", data=gzip.compress(json.dumps(task_body()).encode()),
                       content_type="application/json", headers={"Content-Encoding": "gzip"})
     assert "Content-Encoding gzip" in problem(resp, 415, "unsupported_media_type")["detail"]
+
+
+@pytest.mark.parametrize("broken", [InvalidChunkSize(b"zz"), ChunkMissingTerminator(b"xx"),
+                                    InvalidChunkExtension("bare CR not allowed")])
+@pytest.mark.parametrize("path", ["/lmsp/v1/tasks", "/lmsp/v1/responses"])
+def test_a_chunked_body_that_breaks_its_framing_is_400(unit, alice, broken, path):
+    """gunicorn reads a chunked body as the app reads it: its framing errors (a size that is not hex, a
+    chunk without its CRLF, a bad extension) come out of request.get_data()."""
+    class Broken(io.BytesIO):
+        def read(self, *_):
+            raise broken
+        readinto = read
+
+    before = _rows(unit)
+    resp = alice.post(path, content_type="application/json", headers={"Transfer-Encoding": "chunked"},
+                      environ_overrides={"wsgi.input": Broken(), "wsgi.input_terminated": True})
+    assert "cannot be read" in problem(resp, 400, "invalid_request")["detail"]
+    assert _rows(unit) == before
+
+
+def _rows(unit) -> tuple[int, int]:
+    with unit.sessions() as session:
+        return tuple(session.execute(select(func.count()).select_from(t)).scalar() for t in (Task, Response))
 
 
 @pytest.mark.parametrize("path, headers, status", [
