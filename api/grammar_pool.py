@@ -170,6 +170,10 @@ def _engine_check():
     try:
         from vllm.config import StructuredOutputsConfig
         from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+        # What the check imports on its first call (about a second on a busy host), imported before the
+        # helper says it is ready: a compile budget is for compiling.
+        from vllm.v1.structured_output import backend_guidance, backend_outlines, backend_xgrammar  # noqa: F401
     except ImportError:
         return lambda schema, tokenizer: None
     config, model = StructuredOutputsConfig(backend="auto"), SimpleNamespace(is_diffusion=False)
