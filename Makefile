@@ -71,7 +71,7 @@ test-hosts: model
 	$(BIN)/pytest tests/hosts
 
 .PHONY: test-unit
-test-unit: model  # the api without an engine, Redis or Postgres (tests/unit): well under a minute
+test-unit: model  # the api without an engine, Redis or Postgres (tests/unit): a minute or two
 	$(BIN)/pytest tests/unit
 
 # The dashboard test drives Debian's Chromium through Playwright (never `playwright install`). If it
