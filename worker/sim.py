@@ -233,47 +233,58 @@ def _chain(tok) -> list[str]:
 
 
 # -- a valid document for a JSON schema ------------------------------------------------------------
+# Past this depth only what the schema requires is built (a recursive schema's optional children end);
+# past the hard limit the schema has no instance the simulator can build (its recursion is required).
+OPTIONAL_DEPTH, MAX_DEPTH = 6, 64
+MAX_STRING = 65536  # a longer minLength is cut, as max_output_tokens cuts a real engine's output
+
+
 def document(schema: dict, words: list[str]):
     """A deterministic instance of ``schema`` (the subset structured output uses: types, enum, const,
     anyOf/oneOf/allOf, $ref to $defs, objects, arrays, string/number bounds)."""
-    return _instance(schema, schema, words, [0])
+    return _instance(schema, schema, words, [0], 0)
 
 
-def _instance(schema, root, words, n):
+def _instance(schema, root, words, n, depth):
     if schema is True or not isinstance(schema, dict) or not schema:
         return None
+    if depth > MAX_DEPTH:
+        raise ValueError(f"the schema nests deeper than {MAX_DEPTH} levels in every instance")
     if "$ref" in schema:
         target = root
         for part in schema["$ref"].lstrip("#/").split("/"):
             if part:
                 target = target[part]
-        return _instance(target, root, words, n)
+        return _instance(target, root, words, n, depth + 1)
     if "const" in schema:
         return schema["const"]
     if schema.get("enum"):
         return schema["enum"][0]
     for key in ("anyOf", "oneOf"):
         if schema.get(key):
-            return _instance(schema[key][0], root, words, n)
+            return _instance(schema[key][0], root, words, n, depth + 1)
     if schema.get("allOf"):
         merged = {k: v for k, v in schema.items() if k != "allOf"}
         for part in schema["allOf"]:
             merged = _merge(merged, part)
-        return _instance(merged, root, words, n)
+        return _instance(merged, root, words, n, depth + 1)
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind is None:
         kind = "object" if "properties" in schema else "array" if "items" in schema else "string"
+    deep = depth >= OPTIONAL_DEPTH
     if kind == "object":
         props = schema.get("properties", {})
-        names = schema.get("required") or list(props)
-        return {name: _instance(props.get(name, {"type": "string"}), root, words, n) for name in names}
+        names = schema.get("required") or ([] if deep else list(props))
+        return {name: _instance(props.get(name, {"type": "string"}), root, words, n, depth + 1) for name in names}
     if kind == "array":
-        count = max(int(schema.get("minItems", 0)), min(2, int(schema.get("maxItems", 2))))
+        count = int(schema.get("minItems", 0))
+        if not deep:
+            count = max(count, min(2, int(schema.get("maxItems", 2))))
         prefix = schema.get("prefixItems", [])
-        return [_instance(prefix[i] if i < len(prefix) else schema.get("items", {"type": "string"}), root, words, n)
-                for i in range(count)]
+        return [_instance(prefix[i] if i < len(prefix) else schema.get("items", {"type": "string"}), root, words, n,
+                          depth + 1) for i in range(count)]
     if kind in ("integer", "number"):
         return _number(schema, kind)
     if kind == "boolean":
@@ -314,7 +325,7 @@ FORMATS = {"date-time": "2026-11-08T12:00:00Z", "date": "2026-11-08", "time": "1
 def _string(schema: dict, words, n) -> str:
     if schema.get("format") in FORMATS:
         return FORMATS[schema["format"]]
-    lo, hi = int(schema.get("minLength", 0)), int(schema.get("maxLength", 40))
+    lo, hi = min(int(schema.get("minLength", 0)), MAX_STRING), int(schema.get("maxLength", 40))
     text = ""
     while len(text) < max(lo, 1):
         text += words[n[0] % len(words)]

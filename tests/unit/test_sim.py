@@ -128,6 +128,21 @@ def test_structured_output_is_a_valid_document(fast):
     assert deltas[-1].finish_reason == "length"  # cut short, as a real engine would be
 
 
+def test_recursive_and_huge_schemas_end():
+    """A tree whose children are optional is a finite, valid document; a schema whose every instance nests
+    without end, or a minLength of a gigabyte, fails at once instead of exhausting the stack or memory."""
+    from worker.sim import MAX_STRING, document
+
+    tree = {"$defs": {"node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}
+    jsonschema.validate(document(tree, ["a ", "b "]), tree)
+    with pytest.raises(ValueError, match="nests deeper"):
+        document({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}, ["a "])
+    cut = document({"type": "string", "minLength": 10**9, "maxLength": 10**9}, ["word "])
+    assert MAX_STRING <= len(cut) < MAX_STRING + len("word ")
+
+
 def test_a_forced_tool_call_comes_out_as_a_function_call(fast):
     req = ResponseRequest.model_validate({
         "model": "sim", "input": [{"type": "message", "role": "user", "content": "Weather in Oslo?"}],
