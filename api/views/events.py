@@ -68,6 +68,8 @@ def _hand_over(task_id: str, response_id: str, after: int, *, ws: bool, status: 
            params=["TaskId", "After", "LastEventId", "Ticket"])
 def sse(task_id: str):
     task_id, response_id, after = _open(task_id)
+    if request.method == "HEAD":  # the stream's headers and no stream (RFC 9110 9.3.2): nobody follows
+        return Response(content_type=events.SSE_TYPE, headers=STREAM_HEADERS)
     if can_detach(request.environ):
         return _hand_over(task_id, response_id, after, ws=False, status=200,
                           headers={"Content-Type": events.SSE_TYPE, **STREAM_HEADERS})

@@ -13,8 +13,9 @@ from gunicorn.http.errors import ChunkMissingTerminator, InvalidChunkExtension, 
 from sqlalchemy import event, func, select
 
 from common.tables import Response, Task
+from tests import factories
 from tests.harness import wait_for
-from tests.unit.conftest import make_unit, problem, task_body
+from tests.unit.conftest import MODEL, make_unit, problem, task_body
 
 WS_HANDSHAKE = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
                 "Sec-WebSocket-Version": "13"}
@@ -242,9 +243,10 @@ def test_werkzeugs_own_refusals_are_problem_documents_too(unit, path, headers, s
     assert doc["status"] == status and doc["title"] and doc["detail"] and resp.headers["LMSP-Version"] == "1.0"
 
 
-def test_gunicorns_own_refusals_are_problem_documents_too(tmp_path):
-    """What gunicorn refuses before the app sees it (a request line or headers too large, a request that
-    is not HTTP) is answered as the app would: a problem document with LMSP-Version."""
+@pytest.fixture
+def served(tmp_path):
+    """The api under gunicorn, as `lmsp serve` runs it, on SQLite: its settings, and a raw request's answer
+    (status, headers, body) read until the server closes the connection."""
     import os
     import subprocess
 
@@ -261,7 +263,7 @@ def test_gunicorns_own_refusals_are_problem_documents_too(tmp_path):
     api = subprocess.Popen(gunicorn_argv(settings), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
 
-    def ask(raw: bytes) -> tuple[int, dict, dict]:
+    def ask(raw: bytes) -> tuple[int, dict, bytes]:
         with socket.create_connection(("127.0.0.1", settings.port), timeout=10) as conn:
             conn.sendall(raw)
             answer = b""
@@ -270,7 +272,7 @@ def test_gunicorns_own_refusals_are_problem_documents_too(tmp_path):
         head, _, body = answer.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         headers = dict(line.split(": ", 1) for line in lines[1:])
-        return int(lines[0].split()[1]), headers, json.loads(body)
+        return int(lines[0].split()[1]), headers, body
 
     def up() -> bool:
         try:
@@ -281,15 +283,45 @@ def test_gunicorns_own_refusals_are_problem_documents_too(tmp_path):
 
     try:
         wait_for(up, 60, "the api did not start")
-        for raw, status in [(b"GET /lmsp/v1/tasks/" + b"x" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n", 414),
-                            (b"GET /healthz HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer " + b"x" * 9000 + b"\r\n\r\n",
-                             431),
-                            (b"\x16\x03\x01 not http\r\n\r\n", 400)]:
-            got, headers, doc = ask(raw)
-            assert got == status == doc["status"], (got, doc)
-            assert headers["Content-Type"] == "application/problem+json" and headers["LMSP-Version"] == "1.0"
-            assert doc["title"] and doc["detail"] and doc["code"]
-        assert doc["code"] == "invalid_request" and doc["type"] == "/lmsp/v1/errors#invalid_request"
+        yield settings, ask
     finally:
         api.terminate()
         api.wait(30)
+
+
+def test_gunicorns_own_refusals_are_problem_documents_too(served):
+    """What gunicorn refuses before the app sees it (a request line or headers too large, a request that
+    is not HTTP) is answered as the app would: a problem document with LMSP-Version."""
+    _, ask = served
+    for raw, status in [(b"GET /lmsp/v1/tasks/" + b"x" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n", 414),
+                        (b"GET /healthz HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer " + b"x" * 9000 + b"\r\n\r\n",
+                         431),
+                        (b"\x16\x03\x01 not http\r\n\r\n", 400)]:
+        got, headers, body = ask(raw)
+        doc = json.loads(body)
+        assert got == status == doc["status"], (got, doc)
+        assert headers["Content-Type"] == "application/problem+json" and headers["LMSP-Version"] == "1.0"
+        assert doc["title"] and doc["detail"] and doc["code"]
+    assert doc["code"] == "invalid_request" and doc["type"] == "/lmsp/v1/errors#invalid_request"
+
+
+def test_head_on_an_event_stream_answers_its_headers_and_no_stream(served):
+    """HEAD has no body (RFC 9110 9.3.2): on a running task's events gunicorn's api answers the stream's
+    headers and closes, instead of a follower writing events into a connection that expects none."""
+    from common.db import make_engine, session_factory
+    from common.tokens import create_token
+
+    settings, ask = served
+    sessions = session_factory(make_engine(settings.db_url))
+    with sessions() as session:
+        task = factories.task(session, "running", owner="alice", model=MODEL)
+        _, secret = create_token(session, "alice", ("tasks:read",))
+        session.commit()
+
+    def head(path: str) -> tuple[int, dict, bytes]:
+        return ask(f"HEAD {path} HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer {secret}\r\n"
+                   "Connection: close\r\n\r\n".encode())
+
+    status, headers, body = head(f"/lmsp/v1/tasks/{task.id}/events")  # read until closed: 10 s at most
+    assert status == 200 and headers["Content-Type"] == "text/event-stream" and body == b""
+    assert head("/lmsp/v1/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events")[0] == 404
