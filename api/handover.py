@@ -22,7 +22,8 @@ def client_socket(environ):
 
 
 def can_detach(environ) -> bool:
-    return client_socket(environ) is not None
+    # HTTP/1.0 has no chunked encoding: its stream holds a request thread, written plain until the close.
+    return client_socket(environ) is not None and environ.get("SERVER_PROTOCOL") != "HTTP/1.0"
 
 
 class Handover(Response):

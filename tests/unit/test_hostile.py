@@ -325,3 +325,24 @@ def test_head_on_an_event_stream_answers_its_headers_and_no_stream(served):
     status, headers, body = head(f"/lmsp/v1/tasks/{task.id}/events")  # read until closed: 10 s at most
     assert status == 200 and headers["Content-Type"] == "text/event-stream" and body == b""
     assert head("/lmsp/v1/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events")[0] == 404
+
+
+def test_an_http_1_0_client_gets_an_event_stream_it_can_read(served):
+    """HTTP/1.0 has no chunked encoding: its stream comes plain and ends when the connection closes."""
+    from common import eventlog, events
+    from common.db import make_engine, session_factory
+    from common.tokens import create_token
+
+    settings, ask = served
+    sessions = session_factory(make_engine(settings.db_url))
+    with sessions() as session:
+        task = factories.task(session, "succeeded", owner="alice", model=MODEL)
+        eventlog.append(session, task.response_id, [
+            (1, "response.created", events.dumps({"response_id": task.response_id, "status": "in_progress"})),
+            (2, "response.completed", events.dumps({"response_id": task.response_id, "status": "completed"}))])
+        _, secret = create_token(session, "alice", ("tasks:read",))
+        session.commit()
+    status, headers, body = ask(f"GET /lmsp/v1/tasks/{task.id}/events HTTP/1.0\r\n"
+                                f"Authorization: Bearer {secret}\r\n\r\n".encode())
+    assert status == 200 and "Transfer-Encoding" not in headers
+    assert body.startswith(b"id: 1\nevent: response.created\n") and b"event: response.completed" in body
