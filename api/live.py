@@ -118,6 +118,20 @@ def ws_close(code: int, reason: str) -> bytes:
     return ws_message(code.to_bytes(2, "big") + reason.encode()[:120], 0x8)
 
 
+def ws_violation(first: int, second: int) -> str | None:
+    """What a client frame's first two bytes break of RFC 6455 5.2, if anything (no extension is agreed)."""
+    opcode = first & 0x0F
+    if first & 0x70:
+        return "a WebSocket frame with reserved bits set"
+    if opcode not in (0x0, 0x1, 0x2, 0x8, 0x9, 0xA):
+        return f"a WebSocket frame with the reserved opcode {opcode}"
+    if not second & 0x80:
+        return "an unmasked WebSocket frame from a client"
+    if opcode >= 0x8 and (not first & 0x80 or second & 0x7F > 125):
+        return "a fragmented or over-long WebSocket control frame"
+    return None
+
+
 def ws_accept(key: str) -> str:
     return base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
 
@@ -238,6 +252,8 @@ class SocketSink:
                 self.send(ws_close(1008, exc.detail))  # policy violation: the token was revoked
             elif isinstance(exc, LMSPError) and exc.code == "payload_too_large":
                 self.send(ws_close(1009, exc.detail))
+            elif isinstance(exc, LMSPError) and exc.code == "invalid_request":
+                self.send(ws_close(1002, exc.detail))  # the client broke the protocol
             else:
                 frame = ws_frame(last, ERROR, dumps({"error": error_doc(exc, self.path)})).encode()
                 self.send(ws_message(frame) + ws_close(1011, "the stream failed; reconnect with after"))
@@ -286,6 +302,11 @@ class SocketSink:
         buf = self.inbuf = (self.inbuf or bytearray()) + data
         while len(buf) >= 2:
             opcode, n, at = buf[0] & 0x0F, buf[1] & 0x7F, 2
+            broken = ws_violation(buf[0], buf[1])
+            if broken:  # RFC 6455 7.1.7: fail the connection, 1002
+                self.inbuf = None
+                self.follower.end(FAILED, LMSPError("invalid_request", broken))
+                return
             if n >= 126:
                 at = 4 if n == 126 else 10
                 if len(buf) < at:

@@ -180,6 +180,31 @@ def test_a_client_that_floods_the_websocket_is_dropped(alice):
         assert not view.is_alive()
 
 
+@pytest.mark.parametrize("frame", [
+    b"\x81\x02hi",                              # a text frame that is not masked (RFC 6455 5.1)
+    b"\xc1\x80" + b"\x00" * 4,                   # RSV1 set, with no extension agreed
+    b"\x83\x80" + b"\x00" * 4,                   # opcode 3: reserved
+    b"\x09\x80" + b"\x00" * 4,                   # a ping without FIN: control frames are never fragmented
+    b"\x89\xfe\x00\x7e" + b"\x00" * 4 + b"x" * 126,  # a ping of 126 bytes: control frames hold 125
+], ids=["unmasked", "rsv1", "opcode3", "fragmented-ping", "long-ping"])
+def test_a_websocket_frame_that_breaks_the_protocol_closes_with_1002(alice, frame):
+    task = alice.task("running")
+    server, peer = socket.socketpair()  # the server's end belongs to the process's fan-out, which closes it
+    with peer:
+        view = threading.Thread(target=_ws, args=(alice, task.id, WS_HANDSHAKE, server), daemon=True)
+        view.start()
+        peer.settimeout(5)
+        got = peer.recv(4096)
+        assert got.startswith(b"HTTP/1.1 101")
+        peer.sendall(frame)
+        got = got.partition(b"\r\n\r\n")[2]
+        while b"\x88" not in got:  # heartbeats may come first; then the close frame
+            got += peer.recv(4096)
+        close = got[got.index(b"\x88"):]
+        assert int.from_bytes(close[2:4], "big") == 1002, close
+    wait_for(lambda: server.fileno() == -1, 10, "the fan-out kept the socket")
+
+
 # --- long polls hold a thread, so they hold a stream slot ------------------------------------------
 
 def test_a_long_poll_holds_a_stream_slot(unit, tmp_path):
