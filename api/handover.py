@@ -39,7 +39,9 @@ class Handover(Response):
         sock = client_socket(environ)
         headers = self.get_wsgi_headers(environ)
         headers.remove("Content-Length")
-        if self.status_code != 101:
+        if self.status_code == 101:
+            headers.remove("Content-Type")  # a switch of protocols has no body to type
+        else:
             # One stream a connection; chunked, so a client reading by size gets each frame at once.
             headers["Connection"] = "close"
             headers["Transfer-Encoding"] = "chunked"
