@@ -91,6 +91,10 @@ def json_body():
     mimetype = request.mimetype or ""
     if mimetype != "application/json" and not mimetype.endswith("+json"):
         raise LMSPError("unsupported_media_type", "Send the body as JSON with Content-Type: application/json")
+    charset = request.mimetype_params.get("charset", "utf-8").strip().lower()
+    if charset not in ("utf-8", "utf8"):  # RFC 8259 8.1: JSON between systems is UTF-8
+        raise LMSPError("unsupported_media_type", f"A body in charset {charset} is not accepted; send it as "
+                        "UTF-8 (Content-Type: application/json)")
     coding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if coding not in ("", "identity"):  # RFC 7694: else a gzip body reads as "not valid UTF-8"
         raise LMSPError("unsupported_media_type", f"Content-Encoding {coding} is not accepted; send the body "

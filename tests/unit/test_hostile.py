@@ -227,6 +227,15 @@ def test_a_long_poll_holds_a_stream_slot(unit, tmp_path):
     assert not poll.is_alive() and slots.open == 0
 
 
+@pytest.mark.parametrize("charset, status", [("utf-16", 415), ("latin-1", 415), ("UTF-8", 202), ("utf8", 202)])
+def test_a_body_in_another_charset_than_utf8_is_415(alice, charset, status):
+    resp = alice.post("/lmsp/v1/tasks", data=json.dumps(task_body()).encode(),
+                      content_type=f"application/json; charset={charset}")
+    assert resp.status_code == status, resp.get_data(as_text=True)
+    if status == 415:
+        assert "UTF-8" in problem(resp, 415, "unsupported_media_type")["detail"]
+
+
 def test_a_compressed_body_is_415_not_a_puzzle(unit, alice):
     import gzip
     resp = alice.post("/lmsp/v1/tasks", data=gzip.compress(json.dumps(task_body()).encode()),
