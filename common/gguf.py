@@ -5,6 +5,7 @@ import functools
 import hashlib
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,10 @@ def convert_gguf(gguf_file: Path, out_dir: Path, progress: Callable[[str], None]
     if marker is not None and marker.get("sha256") == sha256:
         progress(f"{out_dir} is already imported from this file")
         return marker
-    model, tokenizer = _load(gguf_file, progress)
+    try:
+        model, tokenizer = _load(gguf_file, progress)
+    except struct.error:  # gguf's parser ran out of bytes
+        raise ValueError(f"{gguf_file} ends early (truncated by an interrupted download or copy?)") from None
     info = {
         "architecture": type(model).__name__,
         "context_window": int(model.config.max_position_embeddings),

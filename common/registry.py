@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.errors import LMSPError
 from common.settings import ConfigError, get_settings
@@ -18,6 +18,8 @@ ENGINE_KINDS = ("vllm", "sim")
 
 
 class Capabilities(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key must not leave its default in force unseen
+
     streaming: bool = True
     tools: bool = True
     structured_output: bool = True
@@ -28,6 +30,8 @@ class Capabilities(BaseModel):
 
 
 class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key must not leave its default in force unseen
+
     id: str
     checkpoint: str            # a local folder, a .gguf file, or a Hugging Face repo id ("org/name")
     revision: str | None = None  # of a repo id: a branch, tag or commit (pin a commit: every host gets the same)
@@ -58,6 +62,16 @@ class ModelSpec(BaseModel):
     def _known_kind(cls, value: dict) -> dict:
         if value.get("kind", "vllm") not in ENGINE_KINDS:
             raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, not {value['kind']!r}")
+        return value
+
+    @field_validator("engine")
+    @classmethod
+    def _whole_counts(cls, value: dict) -> dict:
+        # Sized from here (the KV cache, the batch): a bad value fails the file, not a later int().
+        for key in ("max_model_len", "max_num_seqs"):
+            count = value.get(key)
+            if count is not None and (type(count) is not int or count < 1):
+                raise ValueError(f"{key} must be a whole number of at least 1, not {count!r}")
         return value
 
     @property
@@ -93,7 +107,10 @@ def queue_name(model_id: str) -> str:
 # .bin / .gguf / onnx copies many repos also carry, which would double the download).
 HUB_WEIGHTS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
 HUB_TOKENIZER = ["*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt"]  # the api's share: no weights
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# The hub's rule (else snapshot_download raises): ASCII, each part 1-96 characters that start and end
+# with a letter, digit or "_", no "--" or "..", no ".git" at the end.
+_REPO_ID = re.compile(r"(?!.*(?:--|\.\.))(?!.*\.git$)(?=[^/]{1,96}/[^/]{1,96}$)"
+                      r"[A-Za-z0-9](?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?", re.ASCII)
 
 
 class CheckpointMissing(FileNotFoundError):
@@ -166,7 +183,11 @@ def pull(spec: ModelSpec, *, tokenizer_only: bool = False, progress=print) -> st
             raise CheckpointMissing(f"model {spec.id}: no GGUF file {source.checkpoint}; copy it here or fix "
                                     "its checkpoint in the models file")
         from common.gguf import convert_gguf
-        convert_gguf(Path(source.checkpoint), imported_dir(spec.id), progress)
+        try:
+            convert_gguf(Path(source.checkpoint), imported_dir(spec.id), progress)
+        except ValueError as exc:  # not a GGUF file, a truncated one, an architecture transformers cannot read
+            raise CheckpointMissing(f"model {spec.id}: cannot import {source.checkpoint}: {exc}; fix its "
+                                    "checkpoint in the models file") from None
     return local_checkpoint(spec)
 
 
@@ -232,15 +253,20 @@ class Registry:
         entries = raw.get("models") if isinstance(raw, dict) else None
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise ConfigError(f"the models file {path} must be a mapping with a `models:` list of models: {fix}")
-        specs = []
+        specs, places = [], {}  # places: each id's number in the file
         for i, entry in enumerate(entries):
             try:
-                specs.append(ModelSpec(**entry))
+                spec = ModelSpec.model_validate(entry)
             except ValidationError as exc:
                 err = exc.errors()[0]
                 field = ".".join(map(str, err["loc"]))
                 raise ConfigError(f"the models file {path}: model {i + 1} ({entry.get('id', 'no id')}): "
                                   f"{field}: {err['msg']}: {fix}") from None
+            if spec.id in places:  # else the later would silently win
+                raise ConfigError(f"the models file {path}: models {places[spec.id]} and {i + 1} have the same "
+                                  f"id {spec.id!r}: {fix}")
+            places[spec.id] = i + 1
+            specs.append(spec)
         return cls(specs)
 
     def get(self, model_id: str) -> ModelSpec:
@@ -371,8 +397,8 @@ def memory_gib(spec: ModelSpec, settings: EngineSettings) -> float:
 
 
 def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tuple[float, str]:
-    if environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        return float(environ["VLLM_CPU_KVCACHE_SPACE"]), f"{environ['VLLM_CPU_KVCACHE_SPACE']} GiB (environment)"
+    if (gib := _env_number(environ, "VLLM_CPU_KVCACHE_SPACE", float)) is not None:
+        return gib, f"{gib:g} GiB (environment)"
     if spec.kv_cache_gib is not None:
         return spec.kv_cache_gib, f"{spec.kv_cache_gib:g} GiB (model)"
     # Enough for every sequence of a full batch at full length, within a share of free memory.
@@ -385,6 +411,17 @@ def _cpu_kv_cache(spec: ModelSpec, args: dict, machine: Machine, environ) -> tup
                       f"{machine.mem_available / (1 << 30):.0f} GiB free)")
 
 
+def _env_number(environ, name: str, kind: type, default=None):
+    """vLLM's variable ``name`` as a number (unset or empty: ``default``)."""
+    if not environ.get(name):
+        return default
+    try:
+        return kind(environ[name])
+    except ValueError:
+        raise ConfigError(f"{name}={environ[name]!r} is not a{' whole' if kind is int else ''} number: fix or "
+                          "unset it") from None
+
+
 def _cpu_threads(machine: Machine, environ) -> str:
     """vLLM's CPU backend binds its OpenMP threads itself ("auto": one per physical core of the
     first NUMA node) and keeps the last core (VLLM_CPU_NUM_OF_RESERVED_CPU, default 1) free for
@@ -393,7 +430,7 @@ def _cpu_threads(machine: Machine, environ) -> str:
     bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     if bind != "auto":
         return f"{bind} (environment)"
-    reserved = int(environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
+    reserved = _env_number(environ, "VLLM_CPU_NUM_OF_RESERVED_CPU", int, default=1)
     if len(machine.cpus) <= reserved:
         return f"{_cpus(machine.cpus)} (auto; too few CPUs to keep one free)"
     return (f"{_cpus(machine.cpus[:-reserved])} (auto), {_cpus(machine.cpus[-reserved:])} left for "

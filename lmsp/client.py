@@ -80,13 +80,17 @@ class ServiceUnreachable(ClientError):
     """The service could not be reached (connection refused, DNS, timeouts) within the retries."""
 
 
+class UnexpectedAnswer(ClientError):
+    """The URL answered, but not as an LMSP service does (another server on that port, a proxy's page)."""
+
+
 class ProblemError(ClientError):
     """An RFC 9457 problem document answered by the service (spec 9.3)."""
 
     def __init__(self, problem: Json, retry_after: float | None = None):
         self.problem = problem
-        self.status: int = int(problem.get("status") or 0)
-        self.code: str = problem.get("code") or "unknown"
+        self.status: int = _status(problem)
+        self.code: str = str(problem.get("code") or "unknown")
         self.title: str = problem.get("title") or ""
         self.detail: str = problem.get("detail") or self.title
         self.param: str | None = problem.get("param")
@@ -110,8 +114,13 @@ _BY_STATUS: dict[int, type[ProblemError]] = {400: InvalidRequest, 401: Unauthori
                                               503: Unavailable}
 
 
+def _status(problem: Json) -> int:
+    status = problem.get("status")
+    return status if isinstance(status, int) else 0  # a document that is not ours may carry anything
+
+
 def problem_error(problem: Json, retry_after: float | None = None) -> ProblemError:
-    status = int(problem.get("status") or 0)
+    status = _status(problem)
     cls = _BY_STATUS.get(status) or (ServerError if status >= 500 else ProblemError)
     return cls(problem, retry_after)
 
@@ -132,8 +141,28 @@ def _error_from(resp: httpx.Response) -> ProblemError:
     except ValueError:  # not a problem document (a proxy's error page)
         doc = {"status": resp.status_code, "code": "http_error",
                "detail": f"{resp.status_code} {resp.reason_phrase} from {resp.request.url}"}
-    doc.setdefault("status", resp.status_code)
+    if not isinstance(doc.get("status"), int):
+        doc["status"] = resp.status_code
     return problem_error(doc, _retry_after(resp))
+
+
+def _expect_events(resp: httpx.Response) -> None:
+    """A stream's answer: every LMSP stream is text/event-stream."""
+    if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        raise UnexpectedAnswer(f"{resp.request.url} answered {resp.status_code} {resp.reason_phrase} without an "
+                               "event stream: is that the LMSP service?")
+
+
+def _document(resp: httpx.Response) -> Json:
+    """A success's body: every LMSP answer is a JSON object."""
+    try:
+        doc = resp.json()
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise UnexpectedAnswer(f"{resp.request.url} answered {resp.status_code} {resp.reason_phrase} without "
+                               "a JSON object: is that the LMSP service?")
+    return doc
 
 
 # -- events ---------------------------------------------------------------------------------------
@@ -162,7 +191,7 @@ class SSEDecoder:
         if line == "":
             event = None
             if self._name is not None or self._data:
-                data = json.loads("\n".join(self._data)) if self._data else {}
+                data = _event_data("\n".join(self._data)) if self._data else {}
                 event = Event(self._id, self._name or "message", data)
             self._id, self._name, self._data = None, None, []
             return event
@@ -177,6 +206,17 @@ class SSEDecoder:
         elif key == "data":
             self._data.append(value)
         return None
+
+
+def _event_data(text: str) -> Json:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise UnexpectedAnswer(f"the event stream sent data that is not a JSON object ({text[:60]!r}): is that "
+                               "the LMSP service?")
+    return data
 
 
 # -- request bodies and results -------------------------------------------------------------------
@@ -291,6 +331,7 @@ class _Follow:
                 raise error
             self.why, self.retry_after = str(error), error.retry_after
             return False
+        _expect_events(resp)
         self.failing_since = None
         self.backoff.reset()
         self.decoder = SSEDecoder()
@@ -378,7 +419,7 @@ class Client:
             time.sleep(retry.after_answer(resp))
 
     def _json(self, method: str, path: str, **kw) -> Json:
-        return self._send(method, path, **kw).json()
+        return _document(self._send(method, path, **kw))
 
     # models
     def models(self) -> list[Json]:
@@ -458,6 +499,7 @@ class Client:
         resp = self._send("POST", f"{API}/responses", json=body, stream=True,
                           headers={"Idempotency-Key": str(uuid.uuid4())}, timeout=httpx.Timeout(60.0, connect=5.0))
         try:
+            _expect_events(resp)
             decoder = SSEDecoder()
             for line in resp.iter_lines():
                 if (event := _direct(decoder, line)) is not None:
@@ -510,7 +552,7 @@ class AsyncClient:
             await asyncio.sleep(retry.after_answer(resp))
 
     async def _json(self, method: str, path: str, **kw) -> Json:
-        return (await self._send(method, path, **kw)).json()
+        return _document(await self._send(method, path, **kw))
 
     async def models(self) -> list[Json]:
         return (await self._json("GET", f"{API}/models"))["data"]
@@ -572,6 +614,7 @@ class AsyncClient:
                                 headers={"Idempotency-Key": str(uuid.uuid4())},
                                 timeout=httpx.Timeout(60.0, connect=5.0))
         try:
+            _expect_events(resp)
             decoder = SSEDecoder()
             async for line in resp.aiter_lines():
                 if (event := _direct(decoder, line)) is not None:

@@ -85,13 +85,19 @@ def with_client(fn):
         try:
             # Few retries: a person waits for an answer (tail reconnects on its own for longer).
             with lc.Client(url, token, max_retries=3) as http:
-                return fn(http, **kwargs)
+                try:
+                    return fn(http, **kwargs)
+                except KeyError as exc:  # a JSON object without a member LMSP's always have
+                    raise lc.UnexpectedAnswer(f"{http.url} answered without {exc}: is that the LMSP service?") \
+                        from None
         except lc.ProblemError as exc:
             hint = HINTS.get(exc.code, "").format(token_path=lc.dev_token_path())
             where = f" [{exc.param}]" if exc.param else ""
             fail(f"{exc.detail} ({exc.status} {exc.code}){where}" + (f"\n  {hint}" if hint else ""))
         except lc.ServiceUnreachable as exc:
             fail(f"{exc}\n  Is the service running? `make run` starts it; --url or LMSP_URL points elsewhere.")
+        except lc.UnexpectedAnswer as exc:
+            fail(f"{exc} (--url or LMSP_URL sets its address)")
         except lc.ClientError as exc:
             fail(str(exc))
 

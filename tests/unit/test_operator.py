@@ -5,6 +5,8 @@ exits non-zero; never a traceback. And while the database is away, clients are t
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,14 @@ def test_an_unmigrated_database_says_to_migrate(env, capsys, tmp_path):
     ("models: [1", ("not valid YAML", "line 2")),
     ("- a list", ("must be a mapping",)),
     ("models: [{id: x}]", ("model 1 (x)", "checkpoint")),
+    # Each of these raised out of the loader or a later int(), or was taken silently.
+    ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 8, 1: 1}]", ("model 1 (x)", "1: ")),
+    ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 8, kv_cache_gb: 1}]",
+     ("model 1 (x)", "kv_cache_gb", "Extra inputs")),
+    ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 8, engine: {max_model_len: abc}}]",
+     ("model 1 (x)", "max_model_len must be a whole number")),
+    ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 8},\n"
+     "         {id: x, checkpoint: /y, context_window: 8, max_output_tokens: 8}]", ("models 1 and 2", "'x'")),
 ])
 @pytest.mark.parametrize("args", [("models", "list", "--registry"), ("serve",), ("dev",)])
 def test_a_broken_models_file_is_one_line(env, capsys, tmp_path, text, words, args):
@@ -101,6 +111,25 @@ def test_a_broken_models_file_is_one_line(env, capsys, tmp_path, text, words, ar
 def test_a_models_file_that_is_a_folder_is_one_line(env, capsys, tmp_path):
     env(models_file=str(tmp_path))
     fails_with(capsys, ("models", "list", "--registry"), "cannot read the models file", "LMSP_MODELS_FILE")
+
+
+@pytest.mark.parametrize("checkpoint", ["org/..", "org/a--b", "org/" + "b" * 97])
+def test_a_checkpoint_the_hub_would_refuse_is_a_missing_folder(env, capsys, tmp_path, checkpoint):
+    """Taken for a repo id, it raised huggingface_hub's HFValidationError out of `pull` and `list`."""
+    (tmp_path / "models.yaml").write_text(f"models: [{{id: x, checkpoint: '{checkpoint}', context_window: 8, "
+                                          "max_output_tokens: 8}]\n")
+    fails_with(capsys, ("models", "pull", "x"), checkpoint, "there is no such folder")
+    code, _, out = lmsp(capsys, "models", "list", "--registry")
+    assert code in (0, None) and "missing" in out
+
+
+@pytest.mark.parametrize("name", ["VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU"])
+def test_a_vllm_variable_that_is_not_a_number_is_one_line(env, capsys, tmp_path, monkeypatch, name):
+    (tmp_path / "models.yaml").write_text(f"models: [{{id: x, checkpoint: '{tmp_path}', context_window: 8, "
+                                          "max_output_tokens: 8}]\n")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # else the reserved CPUs are not read
+    monkeypatch.setenv(name, "abc")
+    fails_with(capsys, ("models", "list", "--registry"), f"{name}='abc'", "fix or unset it")
 
 
 def test_tokens_commands_refuse_what_the_database_cannot_hold(env, capsys):
@@ -147,6 +176,57 @@ def test_gunicorns_entry_point_stops_gunicorn_with_one_line(tmp_path, values, wo
 def test_importing_a_file_that_is_not_gguf_is_one_line(env, capsys, tmp_path):
     (tmp_path / "notes.gguf").write_text("not a model")
     fails_with(capsys, ("models", "import-gguf", str(tmp_path / "notes.gguf"), "--id", "x"), "is not a GGUF file")
+    (tmp_path / "models.yaml").write_text(f"models: [{{id: x, checkpoint: '{tmp_path / 'notes.gguf'}', "
+                                          "context_window: 8, max_output_tokens: 8}]\n")
+    fails_with(capsys, ("models", "pull", "x"), "model x: cannot import", "is not a GGUF file", "models file")
+
+
+def test_importing_a_truncated_gguf_is_one_line(env, capsys, tmp_path):
+    """gguf's parser raised struct.error when the bytes ran out (an interrupted download)."""
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x01")
+    fails_with(capsys, ("models", "import-gguf", str(tmp_path / "cut.gguf"), "--id", "x"), "ends early")
+    (tmp_path / "models.yaml").write_text(f"models: [{{id: x, checkpoint: '{tmp_path / 'cut.gguf'}', "
+                                          "context_window: 8, max_output_tokens: 8}]\n")
+    fails_with(capsys, ("models", "pull", "x"), "model x: cannot import", "ends early")
+
+
+@pytest.fixture
+def answering(request):
+    """A server at a URL that answers every request with ``(status, content type, body)``: not LMSP."""
+    status, kind, body = request.param
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *_):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("answering, words", [
+    ((200, "text/html", b"<html>welcome</html>"), ("200 OK without a", "LMSP service", "LMSP_URL")),
+    ((200, "application/json", b"[]"), ("200 OK without a",)),
+    ((200, "application/json", b'{"object": "thing"}'), ("without", "LMSP service")),
+    ((200, "text/event-stream", b"data: nonsense\n\n"), ("a JSON object",)),
+    ((400, "application/problem+json", b'{"status": "bad", "detail": "refused"}'), ("refused (400",)),
+], indirect=["answering"])
+@pytest.mark.parametrize("args", [("models", "list"), ("tasks", "show", "task_x"), ("ask", "hi", "--model", "m")])
+def test_a_url_that_is_not_the_service_is_one_line(env, capsys, answering, words, args):
+    """Another server on that port (or a proxy's page): JSON errors, KeyError, int("bad") were raised."""
+    fails_with(capsys, (*args, "--url", answering, "--token", "t"), *words)
 
 
 class _Child:
