@@ -155,13 +155,18 @@ def _expect_events(resp: httpx.Response) -> None:
 
 def _document(resp: httpx.Response) -> Json:
     """A success's body: every LMSP answer is a JSON object."""
+    return _json_object(resp.json, f"{resp.request.url} answered {resp.status_code} {resp.reason_phrase} "
+                        "without a JSON object")
+
+
+def _json_object(load: Callable[[], object], instead: str) -> Json:
+    """What ``load()`` parses, if it is a JSON object; else an UnexpectedAnswer saying what came ``instead``."""
     try:
-        doc = resp.json()
+        doc = load()
     except ValueError:
         doc = None
     if not isinstance(doc, dict):
-        raise UnexpectedAnswer(f"{resp.request.url} answered {resp.status_code} {resp.reason_phrase} without "
-                               "a JSON object: is that the LMSP service?")
+        raise UnexpectedAnswer(f"{instead}: is that the LMSP service?")
     return doc
 
 
@@ -209,14 +214,8 @@ class SSEDecoder:
 
 
 def _event_data(text: str) -> Json:
-    try:
-        data = json.loads(text)
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        raise UnexpectedAnswer(f"the event stream sent data that is not a JSON object ({text[:60]!r}): is that "
-                               "the LMSP service?")
-    return data
+    return _json_object(lambda: json.loads(text), f"the event stream sent data that is not a JSON object "
+                        f"({text[:60]!r})")
 
 
 # -- request bodies and results -------------------------------------------------------------------
