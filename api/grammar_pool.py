@@ -142,18 +142,19 @@ def _serve() -> None:
         return
     engine_check = _engine_check()
     print(json.dumps({"ready": True}), file=answers, flush=True)
-    compilers, tokenizers = {}, {}
+    compilers = {}  # checkpoint -> (its compiler, its tokenizer)
     for line in sys.stdin:
         job = json.loads(line)
         checkpoint = job["checkpoint"]
         try:
             if checkpoint not in compilers:
-                tokenizers[checkpoint] = AutoTokenizer.from_pretrained(checkpoint)
-                info = xgrammar.TokenizerInfo.from_huggingface(tokenizers[checkpoint])
-                compilers[checkpoint] = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer)
+                compilers[checkpoint] = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False), tokenizer
             if "schema" in job:
-                compilers[checkpoint].compile_json_schema(job["schema"], any_whitespace=True)
-                engine_check(json.loads(job["schema"]), tokenizers[checkpoint])
+                compiler, tokenizer = compilers[checkpoint]
+                compiler.compile_json_schema(job["schema"], any_whitespace=True)
+                engine_check(json.loads(job["schema"]), tokenizer)
             answer = {"error": None}
         except Exception as exc:  # noqa: BLE001 - whatever the backend refuses is the client's answer
             # xgrammar's messages start with "[time] file.cc:line: "; the client needs only the rest.
