@@ -764,6 +764,9 @@ class Hub:
         This request's thread subscribes it and reads its first page of the log, as a thread per
         follower did: a connect storm's reads run on the request threads, not on the few readers."""
         sock.setblocking(False)
+        # The kernel's send buffer is bounded too: left to autotune it grows to tcp_wmem's maximum (4 MiB
+        # on Linux) for a client that stops reading, hiding it from the follower's own bound for as long.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.follower_buffer_bytes)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is written whole: no wait
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)

@@ -86,7 +86,9 @@ class Settings(BaseSettings):
     # Followers of task events handed to the process's fan-out thread: memory, not a thread, each.
     max_followers_per_process: int = Field(10000, ge=1)  # also kept under the process's open-file limit
     max_followers_per_principal: int = Field(1000, ge=1)  # per process
-    follower_buffer_bytes: Count = 256 * 1024  # a follower whose unsent frames pass this is cut (it resumes)
+    # A follower whose unsent frames pass this is cut (it resumes); its socket's kernel send buffer is
+    # capped to the same.
+    follower_buffer_bytes: Count = 256 * 1024
     follower_heartbeat_seconds: Interval = 15.0  # an idle SSE follower's keep-alive (a vanished one is seen at once)
     stream_auth_recheck_seconds: Interval = 5.0  # how often an open stream checks its token is not revoked
     ws_ping_seconds: Interval = 10.0        # a WebSocket client that misses a pong for this long is dropped

@@ -37,7 +37,10 @@ def sessions(pg_url):
 # a SIGKILL, Redis restarted empty, pauses, a dead engine, Redis restarts, a rolling restart, a dead peer.
 @pytest.fixture(scope="module")
 def pair(stack):
-    env = {"LMSP_DRAIN_SECONDS": "60"}  # a Kubernetes-like grace: a SIGTERMed worker's fail tasks finish in it
+    env = {"LMSP_DRAIN_SECONDS": "60",  # a Kubernetes-like grace: a SIGTERMed worker's fail tasks finish in it
+           # A frozen (SIGSTOPped) worker's pending BRPOP still takes the next message from Redis: the sweep
+           # sends such a task again after this, not after production's minute (a test waits 60 s for it).
+           "LMSP_REQUEUE_AFTER_SECONDS": "5"}
     workers = {name: stack.start_worker(stack.pair_model, name, **env) for name in ("pair-a", "pair-b")}
     workers["env"] = env
     yield workers
