@@ -7,9 +7,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.harness import model_entry
+from tests.harness import Client
 from tests.servers import PgCluster, RedisServer
 
 
@@ -37,8 +36,11 @@ def redis_url(private_servers):
 
 
 @pytest.fixture(scope="session")
-def imported(stack, model_id):
-    """The session's model, registered straight from the default checkpoint: the faults need a model, not
-    the GGUF import that tests/functional/test_foundation.py proves (a minute of CPU saved in this lane)."""
-    entries = yaml.safe_load(stack.models_file.read_text())["models"]
-    stack.models_file.write_text(yaml.safe_dump({"models": [*entries, model_entry(model_id)]}))
+def imported():
+    """No model of the session's own: the fault tests run on the pair (test_faults.py), two workers of
+    the stack's pair_model, so this lane loads no engine that no fault needs."""
+
+
+@pytest.fixture(scope="session")
+def alice(stack, api) -> Client:
+    return Client(api, stack.token("alice"))

@@ -33,8 +33,9 @@ def sessions(pg_url):
     engine.dispose()
 
 
-# Two workers of one model (the stack's pair_model) serve every fault test that needs a worker of its own:
-# a SIGKILL, Redis restarted empty, pauses, a dead engine, Redis restarts, a rolling restart, a dead peer.
+# Two workers of one model (the stack's pair_model) serve every fault test (this lane loads no other engine):
+# a SIGKILL, Redis restarted empty, Postgres down, pauses, a dead engine, Redis restarts, a rolling restart,
+# a dead peer, an api's SIGTERM.
 @pytest.fixture(scope="module")
 def pair(stack):
     env = {"LMSP_DRAIN_SECONDS": "60",  # a Kubernetes-like grace: a SIGTERMed worker's fail tasks finish in it
@@ -124,18 +125,17 @@ def final_task(client, task_id, timeout=600):
     return client.get(f"/lmsp/v1/tasks/{task_id}").json()
 
 
-def test_sigkill_mid_generation_then_restart(stack, alice, pair, sessions, worker):
+def test_sigkill_mid_generation_then_restart(stack, alice, pair, sessions):
     model, worker_id = stack.pair_model, "pair-a"
     proc = pair["pair-a"]
     os.kill(pair["pair-b"].pid, signal.SIGSTOP)  # all on pair-a; nobody takes over: its own boot applies on_restart
     try:
-        _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc, peer=worker)
+        _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc)
     finally:
         os.kill(pair["pair-b"].pid, signal.SIGCONT)
-        os.kill(worker.pid, signal.SIGCONT)
 
 
-def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc, peer):
+def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
     direct: list = []  # an interactive stream on the same worker: its client must not hang forever
 
     def stream_direct():
@@ -169,9 +169,6 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc, 
     wait_for(lambda: all(f.deltas() >= 12 for f in followers.values()), 300, "generation did not start")
     wait_for(lambda: alice.get(f"/lmsp/v1/tasks/{cancelling['id']}").json()["status"] == "running", 60, "run")
     assert len(direct) > 1 and not sync, "the direct requests ended before the crash"
-    # The session's worker (another model) sweeps every model's dead workers: frozen until pair-a is back,
-    # so the restarted worker's own boot applies on_restart, not a take-over once the lease is past.
-    os.kill(peer.pid, signal.SIGSTOP)
     os.kill(proc.pid, signal.SIGSTOP)  # freeze it so the cancel below cannot complete before the crash
     assert alice.post(f"/lmsp/v1/tasks/{cancelling['id']}/cancel").json()["status"] == "cancelling"
     before = {p: f.text() for p, f in followers.items()}
@@ -187,7 +184,6 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc, 
     # Its own tasks are handed on at boot, before its engine loads (a minute or more on a busy host).
     failed = final_task(alice, tasks["fail"]["id"], timeout=300)
     assert _worker_state(sessions, worker_id) == "loading", "on_restart waited for the engine to load"
-    os.kill(peer.pid, signal.SIGCONT)
     restarter.join(600)
     pair["pair-a"] = booted[0]
     assert not set(stale) & set(engine_pids(worker_id)), "the stale engine must be gone"
@@ -283,10 +279,11 @@ def test_redis_restarted_empty_loses_no_queued_task(stack, alice, pair, restart_
         check_exactly_once(alice.sse(task["events_url"]))
 
 
-def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, model_id, private_servers):
+def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, pair, private_servers):
     """Every worker's heartbeat looks expired when Postgres comes back: nobody may take over a live
     worker's tasks for that (fail-policy tasks would fail because Postgres blinked)."""
-    tasks = [submit(alice, model_id, ESSAY.format(t), "fail", max_tokens=250) for t in ("salt", "glass", "iron")]
+    tasks = [submit(alice, stack.pair_model, ESSAY.format(t), "fail", max_tokens=250)
+             for t in ("salt", "glass", "iron")]
     followers = [Follower(alice, t, every=1000) for t in tasks]
     for f in followers:
         f.start()
@@ -307,8 +304,8 @@ def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, model
         assert f.text() == final["response"]["output"][0]["content"][0]["text"]
 
 
-def test_a_foreign_event_row_fails_only_its_task(stack, alice, model_id, sessions):
-    tasks = [submit(alice, model_id, ESSAY.format(t), "fail", max_tokens=200) for t in ("moss", "fern", "reed")]
+def test_a_foreign_event_row_fails_only_its_task(stack, alice, pair, sessions):
+    tasks = [submit(alice, stack.pair_model, ESSAY.format(t), "fail", max_tokens=200) for t in ("moss", "fern", "reed")]
     followers = [Follower(alice, t, every=1000) for t in tasks]
     for f in followers:
         f.start()
@@ -332,7 +329,7 @@ def test_a_foreign_event_row_fails_only_its_task(stack, alice, model_id, session
     for task, f in zip(tasks[1:], followers[1:], strict=True):
         assert final_task(alice, task["id"])["status"] == "succeeded"
         check_exactly_once(f.events)
-    later = submit(alice, model_id, "Say hello.", max_tokens=8)  # the worker goes on taking work
+    later = submit(alice, stack.pair_model, "Say hello.", max_tokens=8)  # the worker goes on taking work
     assert final_task(alice, later["id"], timeout=120)["status"] == "succeeded"
 
 
@@ -564,10 +561,10 @@ def test_two_workers_share_a_queue_drop_duplicates_and_take_over(stack, alice, p
     assert owners == {"pair-a"}  # taken over after the lease expired
 
 
-def test_api_sigterm_ends_task_streams_so_clients_resume_elsewhere(stack, alice, model_id):
+def test_api_sigterm_ends_task_streams_so_clients_resume_elsewhere(stack, alice, pair):
     base = stack.start_api()  # a second api process on the same database, to be rolled
     proc = stack.procs[-1]
-    task = submit(alice, model_id, ESSAY.format("clay"), max_tokens=200)
+    task = submit(alice, stack.pair_model, ESSAY.format("clay"), max_tokens=200)
     seen, raw, stopped = [], [], None
     with alice.http.get(base + task["events_url"], stream=True, timeout=(5, 30)) as resp:
         def lines():
