@@ -32,6 +32,13 @@ FORK_SECONDS = 30
 _SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
+def _readable(fd, timeout: float) -> bool:
+    """poll, not select: an api process holding thousands of followers has descriptors past FD_SETSIZE."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
+
+
 class Unavailable(Exception):
     """The backend cannot run here (xgrammar is not installed): only the static limits apply."""
 
@@ -102,7 +109,7 @@ class Helper:
     @property
     def alive(self) -> bool:
         # A pidfd is readable once its process has ended.
-        return self.pidfd is not None and not select.select([self.pidfd], [], [], 0)[0]
+        return self.pidfd is not None and not _readable(self.pidfd, 0)
 
     def start(self) -> None:
         self.sock, self.pidfd = self.spawner.spawn()
@@ -123,8 +130,8 @@ class Helper:
         try:
             self.writer.write(json.dumps(job) + "\n")
             self.writer.flush()
-            ready, _, _ = select.select([self.sock], [], [], timeout)  # one answer a job: none left buffered
-            line = self.reader.readline() if ready else ""
+            # One answer a job: none is left in the reader's buffer when this polls the socket.
+            line = self.reader.readline() if _readable(self.sock, timeout) else ""
             answer = json.loads(line) if line else None
         except (OSError, ValueError):
             answer = None
@@ -138,7 +145,7 @@ class Helper:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            select.select([self.pidfd], [], [], 10)  # gone (its memory free) before a replacement starts
+            _readable(self.pidfd, 10)  # gone (its memory free) before a replacement starts
             os.close(self.pidfd)
             self.pidfd = None
         if self.sock is not None:

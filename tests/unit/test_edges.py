@@ -5,6 +5,7 @@ behaviours against the real stack are in tests/functional/test_edges.py.
 """
 
 import json
+import os
 import threading
 import time
 
@@ -13,6 +14,7 @@ import yaml
 from sqlalchemy import func, select
 
 from api.grammar import CompileBudget
+from api.grammar_pool import _readable
 from api.live import Hub, follow
 from api.ratelimit import StreamSlots
 from api.services.idempotency import Claims, Key
@@ -255,6 +257,33 @@ def test_a_schema_the_backend_cannot_compile_is_400(client, svc):
     resp = client.post("/lmsp/v1/responses", json=body(
         response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": fine}}))
     problem(resp, 503, "model_unavailable")  # passed the gate (no worker in this test)
+
+
+def test_a_helper_its_timeout_killed_is_replaced_by_a_fork_not_a_new_import(client, svc):
+    """A schema built to overrun kills its helper; the replacement is forked from the spawner that
+    imported the backend once, which lives on (a client cannot make the api host import torch again)."""
+    pytest.importorskip("xgrammar")
+    fine = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    problem(client.post("/lmsp/v1/responses", json=body(
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": fine}})), 503, "model_unavailable")
+    pool = svc.grammars._pool
+    spawner = pool.spawner.proc.pid
+    helper = pool.take(5)
+    pidfd = os.dup(helper.pidfd)
+    try:
+        assert helper.ask({"schema": json.dumps(fine), "checkpoint": "/nowhere"}, 0) is None  # overran: killed
+        assert not helper.alive and _readable(pidfd, 5)  # its process has ended
+        back = threading.Event()
+        pool.replace(helper, then=back.set)
+        assert back.wait(60)
+        fresh = pool.take(5)
+        assert fresh.alive and fresh.pidfd is not None and fresh.checkpoints == helper.checkpoints
+        assert fresh.ask({"schema": json.dumps({"type": "string"}), "checkpoint": next(iter(fresh.checkpoints))},
+                         60) == {"error": None}
+        pool.give(fresh)
+        assert pool.spawner.proc.pid == spawner and pool.spawner.proc.poll() is None
+    finally:
+        os.close(pidfd)
 
 
 @pytest.mark.parametrize("schema, why", [
