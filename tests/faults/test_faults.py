@@ -160,6 +160,11 @@ def _sigkill_then_restart(stack, alice, pair, sessions, model, worker_id, proc):
         body = {"model": model, "input": user(ESSAY.format("Mali")), "max_output_tokens": 900}
         sync.append(alice.post("/lmsp/v1/responses", body))
 
+    # The api's first structured-output request starts its grammar spawner (an import of torch and vLLM:
+    # 12 CPU-s, up to a minute on a loaded host, while the tasks below ran to their end). Made here, on a
+    # model nobody serves; the constrained task's schema is then checked already.
+    warm = submit(alice, stack.fault_model, "Warm up.", response_format=SCHEMA_FORMAT)
+    assert alice.post(f"/lmsp/v1/tasks/{warm['id']}/cancel").json()["status"] == "cancelled"
     # The direct requests start first: the tasks then need only a few seconds to be running, so short
     # tasks are still mid-generation when the crash comes (waiting on the direct requests after the
     # tasks once let 300-token tasks end before it).
