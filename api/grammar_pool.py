@@ -61,14 +61,15 @@ class Spawner:
                     self._start()
                 try:
                     self.control.send(b"f")
-                    _, fds, _, _ = socket.recv_fds(self.control, 16, 2)
+                    reply, fds, _, _ = socket.recv_fds(self.control, 16, 2)
                 except OSError:
-                    fds = []
+                    reply, fds = b"", []
                 if len(fds) == 2:
                     return socket.socket(fileno=fds[0]), fds[1]
                 for fd in fds:
                     os.close(fd)
-                self.stop()
+                if not reply:  # no answer: the spawner is gone or stuck (b"x": only that helper died)
+                    self.stop()
             raise Unavailable("the grammar helpers' spawner does not answer")
 
     def _start(self) -> None:
@@ -103,6 +104,7 @@ class Helper:
     def __init__(self, spawner: Spawner):
         self.spawner = spawner
         self.sock: socket.socket | None = None
+        self.reader = self.writer = None  # the socket's two halves, as text files
         self.pidfd: int | None = None
         self.checkpoints: set[str] = set()
 
