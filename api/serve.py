@@ -17,7 +17,9 @@ from common.wire import VERSION
 def gunicorn_argv(settings: Settings) -> list[str]:
     return [sys.executable, "-m", "gunicorn", "-k", "api.serve.Worker", "-w", str(settings.api_workers),
             "--threads", str(settings.api_threads), "-b", f"{settings.host}:{settings.port}",
-            "--timeout", "120", "--graceful-timeout", "10", "api.wsgi:app"]
+            "--timeout", "120", "--graceful-timeout", "10",
+            # One fixed path per host by default: the api processes of one host would take it from each other.
+            "--no-control-socket", "api.wsgi:app"]
 
 
 class Worker(ThreadWorker):

@@ -377,6 +377,7 @@ def resolve_engine(spec: ModelSpec, machine: Machine, environ=None) -> EngineSet
         else:  # vLLM's variable takes whole GiB only (and overrides the argument, so it is left unset)
             args["kv_cache_memory_bytes"] = int(gib * (1 << 30))
         resolved["omp_threads"] = _cpu_threads(machine, environ)
+        env["LMSP_ENGINE_NO_SPIN"] = "1"  # worker/vllm_plugin.py: no reader spins through a CPU forward pass
     return EngineSettings(args=args, env=env, resolved=resolved, cpus=machine.cpus if machine.device == "cpu" else ())
 
 

@@ -44,3 +44,16 @@ def imported():
 @pytest.fixture(scope="session")
 def alice(stack, api) -> Client:
     return Client(api, stack.token("alice"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed fault test shows the end of every api log of its stack: a request that hung or was cut
+    is seen from the server's side too (the worker logs are in the assertions that need them)."""
+    outcome = yield
+    report = outcome.get_result()
+    stack = item.funcargs.get("stack")
+    if report.failed and stack is not None:
+        for log in sorted(stack.tmp.glob("api-*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            report.sections.append((f"{log.name}, last 40 lines", "\n".join(lines[-40:])))

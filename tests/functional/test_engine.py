@@ -148,3 +148,24 @@ def test_abort_while_generating_ends_it_at_once(host):
     assert got["long"]["end"] - aborted_at < 2
     while host.running():  # its slot is free again
         time.sleep(0.01)
+
+
+def test_the_scheduler_does_not_spin_through_a_cpu_forward_pass(host):
+    """worker/vllm_plugin.py: vLLM's EngineCore waits for each step's result on a socket, not in a
+    sched_yield loop; without it the EngineCore burns as much CPU as the process that computes."""
+    if not hasattr(host, "_engine_procs"):
+        pytest.skip("the simulated engine has no engine processes")
+    import psutil
+
+    procs = {psutil.Process(p.pid).name(): psutil.Process(p.pid) for p in host._engine_procs}
+    core, = (p for name, p in procs.items() if "EngineCore" in name)
+    computing, = (p for p in core.children() if "Worker" in p.name())
+
+    def cpu(p):
+        times = p.cpu_times()
+        return times.user + times.system
+
+    before = cpu(core), cpu(computing)
+    run(host, "spin", PROMPT, BACKGROUND, {}, tokens=64)
+    spent = cpu(core) - before[0], cpu(computing) - before[1]
+    assert spent[0] < 0.3 * spent[1], f"EngineCore {spent[0]:.2f} CPU-s beside {spent[1]:.2f} computing"

@@ -54,15 +54,17 @@ def test_kv_cache_sized_from_the_model_and_free_memory(checkpoint):
 
 
 def test_explicit_kv_cache_wins_environment_first(checkpoint):
-    assert resolve_engine(spec(checkpoint, kv_cache_gib=3), machine(), environ={}).env == {"VLLM_CPU_KVCACHE_SPACE": "3"}
+    cpu = {"LMSP_ENGINE_NO_SPIN": "1"}  # every CPU engine's (worker/vllm_plugin.py)
+    assert resolve_engine(spec(checkpoint, kv_cache_gib=3), machine(), environ={}).env == \
+        {"VLLM_CPU_KVCACHE_SPACE": "3", **cpu}
     got = resolve_engine(spec(checkpoint, kv_cache_gib=3), machine(), environ={"VLLM_CPU_KVCACHE_SPACE": "7"})
-    assert got.env == {"VLLM_CPU_KVCACHE_SPACE": "7"} and "environment" in got.resolved["kv_cache"]
+    assert got.env == {"VLLM_CPU_KVCACHE_SPACE": "7", **cpu} and "environment" in got.resolved["kv_cache"]
 
 
 def test_a_part_of_a_gib_goes_to_vllm_as_bytes(checkpoint):
     # VLLM_CPU_KVCACHE_SPACE takes whole GiB (and would override the argument): a fraction travels in bytes.
     got = resolve_engine(spec(checkpoint, kv_cache_gib=0.5), machine(), environ={})
-    assert got.env == {} and got.args["kv_cache_memory_bytes"] == GiB // 2
+    assert "VLLM_CPU_KVCACHE_SPACE" not in got.env and got.args["kv_cache_memory_bytes"] == GiB // 2
     assert "0.5 GiB (model)" in got.resolved["kv_cache"]
     assert "kv_cache_memory_bytes" not in resolve_engine(spec(checkpoint, kv_cache_gib=2), machine(), environ={}).args
 
