@@ -45,13 +45,15 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/lmsp dev
 
-# The layers (tests/*/), three lanes at once: what needs no server (the api without servers, and `lmsp dev`
+# The layers (tests/*/), three lanes at once: what needs no server (the api without servers, the engine contract, `lmsp dev`
 # on SQLite); the fault tests, on a Postgres and a Redis of their own (they restart and flush them); and the
 # rest of the real stack on the shared ones. The lanes fill each other's waits for engines, leases and
 # restarts. The side lanes' reports are printed once the stack's is done; any lane failing fails the target.
 FREE_LOG   := $(VENV)/server-free-tests.log
 FAULTS_LOG := $(VENV)/fault-tests.log
-SERVER_FREE := tests/unit tests/functional/test_embedded.py
+# test_engine drives an engine in its own process, with no server: the stack lane is the longest.
+SERVER_FREE_FUNCTIONAL := tests/functional/test_engine.py tests/functional/test_embedded.py
+SERVER_FREE := tests/unit $(SERVER_FREE_FUNCTIONAL)
 # Tests that build a stack of their own: they follow the faults lane, which ends minutes before the rest.
 OWN_STACKS := tests/functional/test_hub_model.py tests/functional/test_models.py
 test: model browser
@@ -59,8 +61,8 @@ test: model browser
 	{ $(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/faults-tmp tests/faults; f=$$?; \
 	  $(BIN)/pytest -p no:cacheprovider --durations=5 --basetemp=$(VENV)/engines-tmp $(OWN_STACKS); \
 	  e=$$?; test $$f -eq 0 && test $$e -eq 0; } > $(FAULTS_LOG) 2>&1 & faults=$$!; \
-	$(BIN)/pytest --durations=15 --ignore=tests/functional/test_embedded.py \
-	  $(foreach t,$(OWN_STACKS),--ignore=$(t)) tests/functional; stack=$$?; \
+	$(BIN)/pytest --durations=15 $(foreach t,$(SERVER_FREE_FUNCTIONAL) $(OWN_STACKS),--ignore=$(t)) \
+	  tests/functional; stack=$$?; \
 	wait $$faults; faultss=$$?; echo "== tests/faults, then $(OWN_STACKS) (ran beside the stack)"; cat $(FAULTS_LOG); \
 	wait $$free; frees=$$?; echo "== $(SERVER_FREE) (ran beside the stack)"; cat $(FREE_LOG); \
 	test $$stack -eq 0 && test $$faultss -eq 0 && test $$frees -eq 0
