@@ -86,7 +86,10 @@ def _run(fleet, pg_url, loop):
 
         futures.append(loop.spawn(one()))
 
-    # SIGKILL a worker that is generating (its tasks are taken over once its lease expires).
+    time.sleep(1.0)  # the followers are connected
+    rss_connected = rss_kib(fleet.api_pids())
+    # SIGKILL a worker that is generating (its tasks are taken over once its lease expires), as soon as it is
+    # seen running one: on a loaded host a short simulated task can end in the second before.
     victim = None
     deadline = time.time() + 30
     while victim is None and time.time() < deadline:
@@ -94,10 +97,9 @@ def _run(fleet, pg_url, loop):
             row = conn.execute("SELECT worker_id FROM tasks WHERE id = ANY(%s) AND status = 'running' "
                                "AND worker_id IS NOT NULL LIMIT 1", (tasks,)).fetchone()
         victim = row and row[0]
-        time.sleep(0.1)
+        if not victim:
+            time.sleep(0.1)
     assert victim, "no task got to running"
-    time.sleep(1.0)  # the followers are connected
-    rss_connected = rss_kib(fleet.api_pids())
     fleet.kill_worker(victim)
     killed_at = time.time()
 
