@@ -359,6 +359,9 @@ def _kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int | None:
     return 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)  # K and V
 
 
+ENGINE_NO_SPIN = "LMSP_ENGINE_NO_SPIN"  # set for the engine processes of a CPU device (worker/vllm_plugin.py)
+
+
 def resolve_engine(spec: ModelSpec, machine: Machine, environ=None) -> EngineSettings:
     """``spec.engine`` made concrete for ``machine``. An explicit value wins: the operator's
     environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), then the model's entry."""
@@ -377,7 +380,7 @@ def resolve_engine(spec: ModelSpec, machine: Machine, environ=None) -> EngineSet
         else:  # vLLM's variable takes whole GiB only (and overrides the argument, so it is left unset)
             args["kv_cache_memory_bytes"] = int(gib * (1 << 30))
         resolved["omp_threads"] = _cpu_threads(machine, environ)
-        env["LMSP_ENGINE_NO_SPIN"] = "1"  # worker/vllm_plugin.py: no reader spins through a CPU forward pass
+        env[ENGINE_NO_SPIN] = "1"  # worker/vllm_plugin.py: no reader spins through a CPU forward pass
     return EngineSettings(args=args, env=env, resolved=resolved, cpus=machine.cpus if machine.device == "cpu" else ())
 
 

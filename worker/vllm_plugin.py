@@ -4,7 +4,7 @@ vLLM's processes hand every step to each other through shared-memory queues whos
 (``sched_yield``) for a second after each read. On a GPU that saves microseconds a step. On a CPU the
 scheduler process spins for the whole forward pass: a 135M model's single stream took 7.8 CPU-s in
 8 s in the EngineCore beside 7.8 in the process that computes, and on a machine with fewer cores
-than engines the spinners take their cores from the forward passes. With ``NO_SPIN`` set (the worker
+than engines the spinners take their cores from the forward passes. With ``ENGINE_NO_SPIN`` set (the worker
 sets it for a CPU device, common/registry.py) a reader that would spin waits on the queue's notify
 socket instead, as vLLM's own readers do after a second idle, for at most ``POLL_MS`` at a time:
 vLLM's idle path can miss a notification and then parks for up to 5 s (measured: one or two such
@@ -15,13 +15,14 @@ Once idle for a second, a reader waits as vLLM's does.
 import os
 import time
 
-NO_SPIN = "LMSP_ENGINE_NO_SPIN"
+from common.registry import ENGINE_NO_SPIN
+
 POLL_MS = 2  # while steps come: a missed notification costs at most this, a needless wake-up microseconds
 
 
 def register() -> None:
-    if os.environ.get(NO_SPIN) != "1":
-        return  # not an engine this service started (vLLM's own server in `make bench`), or a GPU
+    if os.environ.get(ENGINE_NO_SPIN) != "1":
+        return  # not a CPU engine this service started
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     spin_wait = SpinCondition.wait
