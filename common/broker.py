@@ -5,13 +5,38 @@ worker/interactive.py); within a queue, kombu's Redis transport keeps one list
 per priority step and reads the most urgent first (lower is sooner).
 """
 
+import os
+import uuid
+from time import monotonic
+
 from celery import Celery
 from kombu.exceptions import ChannelError
+from kombu.transport import filesystem
+from kombu.utils.json import dumps
 
 from common.settings import Settings
 
 RUN_TASK = "lmsp.run"
 INTERACTIVE, BACKGROUND = 0, 6
+
+
+class _AtomicFilesystemChannel(filesystem.Channel):
+    """kombu's filesystem channel creates a message file and then writes it. A consumer polling in between
+    takes the empty file, fails to parse it and stops the worker (seen: `lmsp dev` ended on a
+    JSONDecodeError). A message is written under a name no consumer matches, then renamed into place."""
+
+    def _put(self, queue, payload, **kwargs):
+        path = os.path.join(self.data_folder_out, f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg")
+        try:
+            with open(path + ".part", "wb") as f:
+                f.write(dumps(payload).encode())
+            os.replace(path + ".part", path)
+        except OSError as exc:
+            raise ChannelError(f"Cannot add file {path!r} to directory") from exc
+
+
+class FilesystemTransport(filesystem.Transport):
+    Channel = _AtomicFilesystemChannel
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -24,6 +49,7 @@ def make_celery(settings: Settings) -> Celery:
         # tables (control_folder) would otherwise land in the current directory.
         options = {"data_folder_in": str(folder), "data_folder_out": str(folder),
                    "control_folder": str(folder / "control"), "polling_interval": 0.05}
+        app.conf.broker_transport = f"{__name__}:FilesystemTransport"
     else:
         # No ack emulation: a message leaves Redis when a worker takes it. Postgres decides who runs a task
         # (the claim) and the sweeper re-sends what may be lost, so Redis needs no unacked set to restore
