@@ -329,7 +329,7 @@ def test_one_principals_slow_schemas_do_not_stall_anothers(tmp_path, pg_url):
         stack.close()
 
 
-def test_50_concurrent_direct_streams_start_at_1_with_response_created(stack, model_id):
+def test_50_concurrent_direct_streams_start_at_1_with_response_created(stack, model_id, worker):
     wide = stack.start_api(threads=128, LMSP_MAX_STREAMS_PER_PRINCIPAL="64")
     client = Client(wide, stack.token("wendy"))
     body = {"model": model_id, "input": user("Say hi."), "max_output_tokens": 3, "temperature": 0, "stream": True}
