@@ -58,7 +58,7 @@ STACK_LOG  := $(VENV)/stack-tests.log
 SERVER_FREE_FUNCTIONAL := tests/functional/test_engine.py tests/functional/test_embedded.py
 SERVER_FREE := tests/unit $(SERVER_FREE_FUNCTIONAL)
 # Tests that build a stack of their own: they follow the faults lane, which ends minutes before the rest.
-OWN_STACKS := tests/functional/test_hub_model.py tests/functional/test_models.py
+OWN_STACKS := tests/functional/test_models.py
 STACK := $(foreach t,$(SERVER_FREE_FUNCTIONAL) $(OWN_STACKS),--ignore=$(t)) tests/functional
 test: model browser
 	@$(BIN)/pytest -q -p no:cacheprovider --durations=5 --basetemp=$(VENV)/server-free-tmp $(SERVER_FREE) > $(FREE_LOG) 2>&1 & free=$$!; \

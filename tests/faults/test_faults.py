@@ -489,7 +489,8 @@ def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pai
     model, grace = stack.pair_model, float(pair["env"]["LMSP_DRAIN_SECONDS"])
     tasks = [submit(alice, model, ESSAY.format(f"city number {i}"), ("resume", "retry")[i % 2], max_tokens=200)
              for i in range(20)]
-    short = [submit(alice, model, f"Write three sentences about the river number {i}.", "fail", max_tokens=48)
+    # Long enough to be still running once pair-a's long tasks stream on a loaded host, well within the grace.
+    short = [submit(alice, model, f"Write three sentences about the river number {i}.", "fail", max_tokens=96)
              for i in range(8)]
     followers = [Follower(alice, t) for t in tasks]
     for f in followers:
@@ -501,8 +502,12 @@ def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pai
                 Task.id.in_([t["id"] for t in tasks + short]), Task.worker_id == "pair-a",
                 Task.on_restart.in_(policies), Task.status.in_(("loading", "running")))).scalars())
 
-    wait_for(lambda: sum(f.deltas() >= 3 for f in followers) >= 10 and owned_by_a(["fail"])
-             and owned_by_a(["resume", "retry"]), 300, "pair-a is not generating both kinds of task")
+    def mid_generation_on_a():  # a fail task running on pair-a, and a resume/retry one streaming there
+        moving = owned_by_a(["resume", "retry"])
+        return owned_by_a(["fail"]) and any(f.deltas() >= 3 for t, f in zip(tasks, followers, strict=True)
+                                            if t["id"] in moving)
+
+    wait_for(mid_generation_on_a, 300, "pair-a is not generating both kinds of task")
     fail_on_a = owned_by_a(["fail"])
     before = worker_log(stack, "pair-b").count("took over")
     pair["pair-a"].send_signal(signal.SIGTERM)  # to the worker alone, as Kubernetes does

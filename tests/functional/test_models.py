@@ -2,6 +2,10 @@
 budget that holds one of them at a time (worker/residency.py). The first (simulated) is loaded at boot,
 the vLLM one is cold until a task for it comes; two simulated ones take turns while tasks for both wait.
 
+The vLLM model is named by Hugging Face repo id, offline: the default model laid out as a hub snapshot in
+a temp HF_HOME, HF_HUB_OFFLINE=1; `lmsp models pull` finds it, the api counts tokens with its tokenizer,
+and the worker loads the same snapshot.
+
 Cost: the vLLM engine's cold load (~20-40 s on 2 CPU cores), its keep-alive (8 s) and its stop; the rest ~10 s.
 """
 
@@ -12,7 +16,8 @@ import uuid
 import pytest
 
 from tests.functional.test_tasks import submit, wait_status
-from tests.harness import Client, Stack, engine_pids, model_entry, user, wait_for
+from tests.harness import CHECKPOINT, Client, Stack, engine_pids, model_entry, user, wait_for
+from tests.hubcache import DEFAULT_REPO, lay_out_snapshot
 
 SIM = {"kind": "sim", "ttft_ms": 50, "tokens_per_s": 20, "max_num_seqs": 8}
 KEEP_ALIVE = 8
@@ -23,14 +28,21 @@ def fleet(tmp_path_factory, pg_url):
     run = uuid.uuid4().hex[:8]
     sim_a, sim_b, real = f"sim:a{run}", f"sim:b{run}", f"smollm2:cold{run}"
     # Each simulated model counts as 2 GiB and the vLLM one as 3 against a budget of 3: one at a time.
-    stack = Stack(tmp_path_factory.mktemp("models"), pg_url, models=[
+    tmp = tmp_path_factory.mktemp("models")
+    _, snapshot = lay_out_snapshot(CHECKPOINT, tmp / "hf")
+    stack = Stack(tmp, pg_url, models=[
         model_entry(sim_a, engine=SIM, memory_gib=2), model_entry(sim_b, engine=SIM, memory_gib=2),
-        model_entry(real, memory_gib=3)])
+        model_entry(real, memory_gib=3, checkpoint=DEFAULT_REPO)])
+    stack.env.update({"HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1"})
+    pulled = stack.lmsp("models", "pull", real)
+    assert pulled.stdout.strip().endswith(f"{real}\t{snapshot}"), pulled.stdout + pulled.stderr
+    assert f"hub {DEFAULT_REPO}\tpresent {snapshot}" in stack.lmsp("models", "list", "--registry").stdout
     worker_id = f"models-{run}"
     stack.start_worker(f"{sim_a},{sim_b},{real}", worker_id, LMSP_WORKER_MEMORY_BUDGET_GIB="3",
                        LMSP_WORKER_KEEP_ALIVE_SECONDS=str(KEEP_ALIVE), LMSP_WORKER_METRICS_PORT="0")
     client = Client(stack.start_api(), stack.token("alice"))
-    yield {"client": client, "stack": stack, "worker": worker_id, "sim_a": sim_a, "sim_b": sim_b, "real": real}
+    yield {"client": client, "stack": stack, "worker": worker_id, "sim_a": sim_a, "sim_b": sim_b, "real": real,
+           "snapshot": snapshot}
     stack.close()
 
 
@@ -43,7 +55,7 @@ def loads(fleet, model) -> int:
     return len(re.findall(rf"loaded {re.escape(model)} in ", text))
 
 
-def test_a_cold_model_is_loaded_when_its_task_comes_and_unloaded_after_its_keep_alive(fleet):
+def test_a_cold_model_by_repo_id_is_loaded_when_its_task_comes_and_unloaded_after_its_keep_alive(fleet):
     client, worker, real, sim_a = fleet["client"], fleet["worker"], fleet["real"], fleet["sim_a"]
     model = client.get(f"/lmsp/v1/models/{real}").json()
     # Servable though no worker has it loaded: its worker loads it on demand.
@@ -56,6 +68,9 @@ def test_a_cold_model_is_loaded_when_its_task_comes_and_unloaded_after_its_keep_
     task = submit(client, real, max_output_tokens=8).json()
     done = wait_status(client, task["id"], {"succeeded", "failed"}, timeout=900)
     assert done["status"] == "succeeded" and done["response"]["usage"]["output_tokens"] == 8, done
+    assert done["response"]["usage"]["input_tokens"] > 0  # counted by the api with the snapshot's tokenizer
+    log = (fleet["stack"].tmp / f"worker-{worker}.log").read_text()
+    assert f"from {fleet['snapshot']}" in log  # the worker loaded the very snapshot the api read
     # The load happened while the task was still queued: nothing was claimed before the engine was up.
     timeline = done["extensions"]["x-lmsp-timeline"]
     assert len(timeline["attempts"]) == 1 and timeline["durations"]["queue"] > 1, timeline

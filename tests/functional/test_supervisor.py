@@ -136,12 +136,14 @@ def test_supervisor_refuses_an_unknown_model_before_starting_anything(tmp_path):
     assert done.returncode == 1 and "nope:1" in done.stderr and "started" not in done.stderr
 
 
-def test_real_worker_under_the_supervisor_has_its_gpu_and_id_and_stops_on_sigterm(stack, tmp_path):
-    """One real worker (vLLM on CPU) under the supervisor: the worker row and its engine carry the
-    id host:gpu0; SIGTERM to the supervisor stops the worker and its engine. (The engine's and
-    Celery's process titles overwrite /proc/PID/environ, so the pinning is checked above.) It is
-    stopped as soon as its engine process exists: the row is written before the load, and a whole
-    load is proven by every other worker of the run."""
+def test_real_worker_under_the_supervisor_has_its_gpu_and_id_and_a_sigterm_while_it_loads_stops_it_at_once(stack,
+                                                                                                    tmp_path):
+    """One real worker (vLLM on CPU) under the supervisor: the worker row and its engine carry the id
+    host:gpu0. A pod or container stopped while its model loads (minutes on a big model) stops then: SIGTERM
+    to the supervisor alone, which passes it on to the worker alone (as tini or the kubelet would), stops the
+    worker at once and leaves no engine process holding the GPU. (The engine's and Celery's process titles
+    overwrite /proc/PID/environ, so the pinning is checked above.) The row is written before the load, and
+    a whole load is proven by every other worker of the run."""
     import uuid
 
     from sqlalchemy import create_engine, select
@@ -158,19 +160,24 @@ def test_real_worker_under_the_supervisor_has_its_gpu_and_id_and_stops_on_sigter
               "sys.exit(Supervisor(worker_argv(sys.argv[1]), [0], host=sys.argv[2]).run())")
     log = stack.tmp / f"supervisor-{host}.log"
     proc = stack.spawn([sys.executable, "-c", driver, model, host], log.name, LMSP_MODELS_FILE=str(models))
-    wait_for(lambda: engine_pids(worker_id) or proc.poll() is not None, timeout=300)
-    assert proc.poll() is None, log.read_text()[-3000:]  # the engine is tagged with the worker's id
     engine = create_engine(stack.database_url)
     try:
+        wait_for(lambda: engine_pids(worker_id) or proc.poll() is not None, timeout=300)
+        assert proc.poll() is None, log.read_text()[-3000:]  # the engine is tagged with the worker's id
         with engine.connect() as conn:
             row = conn.execute(select(Worker.model, Worker.stopped_at).where(Worker.id == worker_id)).one()
         assert row == (model, None)
-        stack.stop(proc, timeout=120)
-        assert proc.returncode == 0, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+        assert time.monotonic() - started < 10
+        wait_for(lambda: engine_pids(worker_id) == [], timeout=10)  # the engine outlived its worker
+        assert " ready." not in log.read_text()
         with engine.connect() as conn:
             assert conn.execute(select(Worker.stopped_at).where(Worker.id == worker_id)).scalar_one() is not None
-        assert not engine_pids(worker_id)
     finally:
+        if proc.poll() is None:
+            stack.stop(proc, signal.SIGKILL)
         engine.dispose()
 
 
@@ -202,25 +209,3 @@ def test_tensor_parallel_groups_gpus_one_worker_per_group(monkeypatch):
         == [("0,1", "box:gpu0-1", "9400"), ("2,3", "box:gpu2-3", "9401")]
     assert all(c.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for c in sup.children)  # nvidia-smi's numbering
     assert sup.argv[-2:] == ["--tensor-parallel", "2"]
-
-
-def test_sigterm_while_the_model_loads_stops_the_worker_and_its_engine_at_once(stack):
-    """A pod or container stopped while its model loads (minutes on a big model) stops then, and leaves
-    no engine process holding the GPU. Costs a partial engine start (~10-20 s)."""
-    from tests.harness import engine_pids, wait_for
-
-    worker_id = "sigterm-while-loading"
-    proc = stack.spawn([sys.executable, "-m", "worker", "--model", stack.fault_model], f"worker-{worker_id}.log",
-                       LMSP_WORKER_ID=worker_id)
-    try:
-        wait_for(lambda: engine_pids(worker_id) or proc.poll() is not None, 300, "no engine process started")
-        assert proc.poll() is None, (stack.tmp / f"worker-{worker_id}.log").read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)  # to the worker alone, as tini or the kubelet passes it on
-        started = time.monotonic()
-        assert proc.wait(30) == 128 + signal.SIGTERM
-        assert time.monotonic() - started < 10
-        wait_for(lambda: engine_pids(worker_id) == [], 10, "the engine outlived its worker")
-        assert " ready." not in (stack.tmp / f"worker-{worker_id}.log").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
