@@ -48,8 +48,9 @@ def run(host, rid, prompt, priority, out, tokens=TOKENS, on_delta=None):
         final = delta
         if on_delta is not None:
             on_delta(delta)
-    out[rid] = {"text": text, "tokens": tokens_seen, "first": first,
-                "end": time.monotonic(), "finish": final.finish_reason, "prompt_tokens": final.prompt_tokens}
+    out[rid] = {"text": text, "tokens": tokens_seen, "first": first, "end": time.monotonic(),
+                "ended_at": time.time(), "admitted_at": final.admitted_at, "finish": final.finish_reason,
+                "prompt_tokens": final.prompt_tokens}
 
 
 def test_interactive_pauses_background_and_background_resumes_intact(host):
@@ -69,8 +70,8 @@ def test_interactive_pauses_background_and_background_resumes_intact(host):
     run(host, "person", "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", INTERACTIVE, got, tokens=8)
     for t in threads:
         t.join()
-    # Admitted at once, not after a background request ended ...
-    assert got["person"]["end"] < min(got["bg-a"]["end"], got["bg-b"]["end"])
+    # Admitted at once (by the gate's clock), not after a background request ended ...
+    assert got["person"]["admitted_at"] < min(got["bg-a"]["ended_at"], got["bg-b"]["ended_at"])
     # ... and the paused one resumed where it was: same text, same length, same prompt count.
     for rid in prompts:
         assert got[rid]["text"] == alone[rid + "-alone"]["text"]
