@@ -5,6 +5,7 @@ import json
 import sys
 
 from gunicorn import util
+from gunicorn.http.errors import UnsupportedTransferCoding
 from gunicorn.workers.gthread import ThreadWorker
 
 from api import live
@@ -44,6 +45,18 @@ class Worker(ThreadWorker):
                 environ[DETACH] = self.detached.add
             return app(environ, start_response)
         self.wsgi = wsgi
+
+    def handle_error(self, req, client, addr, exc) -> None:
+        # gunicorn answers a transfer coding it does not know with 501 (RFC 9112 6.1): a client's request
+        # refused, where a 5xx would say the service failed.
+        if isinstance(exc, UnsupportedTransferCoding):
+            self.log.warning("Invalid request from ip=%s: %s", (addr or ("",))[0], exc)
+            try:
+                write_problem(client, 400, "Bad Request", str(exc))
+            except OSError:
+                pass  # the client is gone
+            return
+        super().handle_error(req, client, addr, exc)
 
     def finish_request(self, conn, fs) -> None:
         if conn.sock in self.detached:  # (on the main thread, after the request's thread is done)
