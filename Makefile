@@ -45,34 +45,27 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/lmsp dev
 
-# The layers (tests/*/), four lanes at once: what needs no server (the api without servers, the engine contract,
-# `lmsp dev` on SQLite); the fault tests, on a Postgres and a Redis of their own (they restart and flush them);
-# the rest of the real stack on the shared ones, split in two: the tests of the session's model (its GGUF import
-# and real worker) and the others, each with a database of its own. The lanes fill each other's waits for
-# engines, leases and restarts. The side lanes' reports are printed once the first lane's is done; any lane
-# failing fails the target.
+# The layers (tests/*/), three lanes at once: what needs no server (the api without servers, the engine contract, `lmsp dev`
+# on SQLite); the fault tests, on a Postgres and a Redis of their own (they restart and flush them); and the
+# rest of the real stack on the shared ones. The lanes fill each other's waits for engines, leases and
+# restarts. The side lanes' reports are printed once the stack's is done; any lane failing fails the target.
 FREE_LOG   := $(VENV)/server-free-tests.log
 FAULTS_LOG := $(VENV)/fault-tests.log
-STACK_LOG  := $(VENV)/stack-tests.log
-# test_engine drives an engine in its own process, with no server.
+# test_engine drives an engine in its own process, with no server: the stack lane is the longest.
 SERVER_FREE_FUNCTIONAL := tests/functional/test_engine.py tests/functional/test_embedded.py
 SERVER_FREE := tests/unit $(SERVER_FREE_FUNCTIONAL)
 # Tests that build a stack of their own: they follow the faults lane, which ends minutes before the rest.
-OWN_STACKS := tests/functional/test_models.py
-STACK := $(foreach t,$(SERVER_FREE_FUNCTIONAL) $(OWN_STACKS),--ignore=$(t)) tests/functional
+OWN_STACKS := tests/functional/test_models.py tests/functional/test_fleet.py tests/functional/test_fairshare.py
 test: model browser
 	@$(BIN)/pytest -q -p no:cacheprovider --durations=5 --basetemp=$(VENV)/server-free-tmp $(SERVER_FREE) > $(FREE_LOG) 2>&1 & free=$$!; \
 	{ $(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/faults-tmp tests/faults; f=$$?; \
 	  $(BIN)/pytest -p no:cacheprovider --durations=5 --basetemp=$(VENV)/engines-tmp $(OWN_STACKS); \
 	  e=$$?; test $$f -eq 0 && test $$e -eq 0; } > $(FAULTS_LOG) 2>&1 & faults=$$!; \
-	$(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/stack-tmp --session-model without $(STACK) \
-	  > $(STACK_LOG) 2>&1 & rest=$$!; \
-	$(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/session-tmp --session-model with $(STACK); \
-	model=$$?; \
-	wait $$rest; rests=$$?; echo "== the rest of tests/functional on the real stack (ran beside)"; cat $(STACK_LOG); \
-	wait $$faults; faultss=$$?; echo "== tests/faults, then $(OWN_STACKS) (ran beside)"; cat $(FAULTS_LOG); \
-	wait $$free; frees=$$?; echo "== $(SERVER_FREE) (ran beside)"; cat $(FREE_LOG); \
-	test $$model -eq 0 && test $$rests -eq 0 && test $$faultss -eq 0 && test $$frees -eq 0
+	$(BIN)/pytest --durations=15 $(foreach t,$(SERVER_FREE_FUNCTIONAL) $(OWN_STACKS),--ignore=$(t)) \
+	  tests/functional; stack=$$?; \
+	wait $$faults; faultss=$$?; echo "== tests/faults, then $(OWN_STACKS) (ran beside the stack)"; cat $(FAULTS_LOG); \
+	wait $$free; frees=$$?; echo "== $(SERVER_FREE) (ran beside the stack)"; cat $(FREE_LOG); \
+	test $$stack -eq 0 && test $$faultss -eq 0 && test $$frees -eq 0
 
 # Several hosts without Kubernetes, rehearsed with network namespaces (root; minutes: two engines load).
 .PHONY: test-hosts

@@ -15,21 +15,6 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def pytest_addoption(parser):
-    parser.addoption("--session-model", choices=("with", "without"),
-                     help="run only the tests that use the session's model (its GGUF import, its real worker, "
-                          "the api serving it), or only the others: `make test` runs the two as lanes of their own")
-
-
-def pytest_collection_modifyitems(config, items):
-    wanted = config.getoption("--session-model")
-    if wanted is None:
-        return
-    keep = [item for item in items if ("imported" in item.fixturenames) == (wanted == "with")]
-    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-    items[:] = keep
-
-
 @pytest.fixture(scope="session")
 def pg_server():
     """The Postgres server the run's database is made on (tests/faults overrides it with its own)."""
