@@ -38,9 +38,9 @@ def test_a_consumer_polling_while_messages_are_written_never_reads_one_half_writ
     from queue import Empty
 
     from common.broker import make_celery
-    from common.settings import Settings
+    from tests.unit.conftest import unit_settings
 
-    settings, count = Settings(home=tmp_path), 1000
+    settings, count = unit_settings(tmp_path), 1000  # the filesystem broker, whatever LMSP_* the shell has
     producer = multiprocessing.get_context("spawn").Process(target=_produce, args=(settings, count))
     producer.start()
     got, deadline = [], time.monotonic() + 60
