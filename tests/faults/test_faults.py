@@ -487,6 +487,9 @@ def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pai
     once, its `fail` tasks shorter than the grace finish where they run; none fails, nobody waits for a
     lease, and its engine is gone before it exits."""
     model, grace = stack.pair_model, float(pair["env"]["LMSP_DRAIN_SECONDS"])
+    # pair-b is paused while the work is handed out: each worker takes up to 32 tasks, and pair-b alone had
+    # taken all 28 (pair-a then had nothing to hand over). It goes on once pair-a is generating.
+    os.kill(pair["pair-b"].pid, signal.SIGSTOP)
     tasks = [submit(alice, model, ESSAY.format(f"city number {i}"), ("resume", "retry")[i % 2], max_tokens=200)
              for i in range(20)]
     # Long enough to be still running once pair-a's long tasks stream on a loaded host, well within the grace.
@@ -507,7 +510,10 @@ def test_rolling_restart_hands_tasks_over_without_a_lease_wait(stack, alice, pai
         return owned_by_a(["fail"]) and any(f.deltas() >= 3 for t, f in zip(tasks, followers, strict=True)
                                             if t["id"] in moving)
 
-    wait_for(mid_generation_on_a, 300, "pair-a is not generating both kinds of task")
+    try:
+        wait_for(mid_generation_on_a, 300, "pair-a is not generating both kinds of task")
+    finally:
+        os.kill(pair["pair-b"].pid, signal.SIGCONT)
     fail_on_a = owned_by_a(["fail"])
     before = worker_log(stack, "pair-b").count("took over")
     pair["pair-a"].send_signal(signal.SIGTERM)  # to the worker alone, as Kubernetes does
