@@ -125,7 +125,8 @@ def sse_answer(description: str, media: str) -> Answer:
 # -- problems -----------------------------------------------------------------------------------
 TITLES = {400: "Bad request", 401: "Unauthorized", 403: "Forbidden", 404: "Not found", 409: "Conflict",
           410: "Gone", 413: "Payload too large", 415: "Unsupported media type", 422: "Unprocessable content",
-          429: "Too many requests", 500: "Server error", 503: "Service unavailable"}
+          414: "URI too long", 429: "Too many requests", 431: "Request header fields too large",
+          500: "Server error", 503: "Service unavailable"}
 RETRY = {429, 503}
 PREPARE_ERRORS = (400, "invalid_request", "unsupported_capability", "context_length_exceeded")  # validation.prepare
 BODY_ERRORS = ((413, "payload_too_large", "Body larger than the limit (default 1 MiB)"),
@@ -141,7 +142,8 @@ def problem_answer(status: int, *codes: str, note: str = "") -> dict:
         headers.append("Retry-After")
     if status in (401, 403):
         headers.append("WWW-Authenticate")
-    text = f"{TITLES[status]}: " + ", ".join(f"`{c}`" for c in codes) + (f". {note}" if note else ".")
+    named = ", ".join(f"`{c}`" for c in codes)
+    text = TITLES[status] + (f": {named}." if named else ".") + (f" {note}" if note else "")
     return {"description": text, "headers": _headers(*headers),
             "content": {PROBLEM_JSON: {"schema": ref("Problem")}}}
 
@@ -151,7 +153,13 @@ def problems(extra: tuple = (), auth: bool = True) -> dict:
 
     Each of ``extra`` is (status, code or note, ...); a string that is not an error code is a note.
     """
-    groups: dict[int, tuple[list, list]] = {400: (["unsupported_version"], [])}
+    groups: dict[int, tuple[list, list]] = {
+        400: (["unsupported_version"], []),
+        # HTTP's own refusals, answered by gunicorn before any route (api/serve.py): RFC 9112 3 says a
+        # request-target too long to parse MUST be a 414. No LMSP code: `about:blank`.
+        414: ([], ["The request line is longer than 4094 bytes: send fewer or shorter query parameters."]),
+        431: ([], ["A header is longer than 8190 bytes, or there are more than 100."]),
+    }
     if auth:
         groups[401] = (["unauthorized"], ["Missing, unknown or revoked token."])
         groups[403] = (["insufficient_scope"], ["The token lacks the operation's scope."])
