@@ -77,6 +77,35 @@ def test_a_stale_attempt_can_no_longer_write(sessions):
     assert [e[0] for e in log_of(sessions, rid)] == [1, 2]
 
 
+def test_an_append_holds_off_a_takeover_until_it_commits(sessions):
+    """The group commit's fence is a row lock: a takeover that comes while a batch is being logged waits
+    for its commit (so the batch is in the log before the task is handed on), and the stale attempt's
+    next batch is refused."""
+    task_id, rid = new_task(sessions, "retry")
+    first = claim(sessions, task_id, "w1").attempt
+    with transaction(sessions) as session:
+        assert lifecycle.start(session, first)
+    handed = threading.Event()
+
+    def takeover():
+        with transaction(sessions) as session:
+            assert lifecycle.hand_on(session, task_id, error={}, attempt=first.number)[0]
+        handed.set()
+
+    with sessions() as session:
+        assert lifecycle.append(session, {first: [(2, events.TEXT_DELTA, "{}")]}) == set()
+        thread = threading.Thread(target=takeover)
+        thread.start()
+        # SQLite's writers wait for the database lock, Postgres' takeover for the row the append locked.
+        assert not handed.wait(1.0), "the takeover committed while the batch was being logged"
+        session.commit()
+    thread.join(30)
+    assert handed.is_set() and status(sessions, task_id) == ("running", 2, None)
+    with transaction(sessions) as session:
+        assert lifecycle.append(session, {first: [(3, events.TEXT_DELTA, "{}")]}) == {first}
+    assert [e[0] for e in log_of(sessions, rid)] == [1, 2]
+
+
 def test_hand_on_applies_each_policy(sessions):
     outcomes = {}
     for policy in ("fail", "retry", "resume"):
