@@ -23,6 +23,9 @@ from worker import metrics
 
 log = logging.getLogger("lmsp.writer")
 Event = tuple[int, str, str]
+# A commit waits up to LINGER_S after its first event for others, unless LINGER_EVENTS are pending: a few
+# ms on a task's 200 ms delta window, for several times fewer commits (measured in the fleet benchmark).
+LINGER_S, LINGER_EVENTS = 0.005, 256
 
 
 class WriterDead(RuntimeError):
@@ -99,6 +102,12 @@ class EventWriter:
                     self._cond.wait()
                 if not self._pending and self._stop:
                     return
+                # Streams hand their deltas over one thread at a time: wait a moment for the rest of a
+                # step's before committing, so one commit (its round trips, its WAL flush) carries them all.
+                linger_until = time.monotonic() + LINGER_S
+                while len(self._pending) < LINGER_EVENTS and not self._stop and \
+                        (left := linger_until - time.monotonic()) > 0:
+                    self._cond.wait(left)
                 pending, self._pending = self._pending, []
                 since, self._since = self._since, {}
                 upto = self._submitted
