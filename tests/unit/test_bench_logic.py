@@ -137,3 +137,30 @@ def test_the_fairness_figures_judge_what_they_say():
     rows = [Row("a" if i % 3 == 0 else "b", 0, claimed=1 + i, ended=0, cost=10, used=10) for i in range(30)]
     share, gap, info = weighted_service(rows, {"a": 1.0, "b": 2.0}, slots=1)
     assert share == pytest.approx(2, rel=0.1) and gap <= 1
+
+
+def _fleet_step(**cpu):
+    return {"workers": 4, "saturated": None, "rows_per_s": 1000.0, "tokens_per_s": 8000.0, "wal_bytes_per_event": 900,
+            "cpu_s_per_1k_events": {"worker": 1.0, "postgres": 0.3, "redis": 0.03, "api": 0.5,
+                                    "api_per_follower": 0.2, "client": 0.1, **cpu},
+            "lag_ms": [10.0, 50.0], "claim_ms": [5.0, 20.0], "lost": 0, "duplicated": 0, "out_of_order": 0,
+            "finals_wrong": 0, "unfinished": 0, "followers": 10}
+
+
+def test_the_fleet_sizes_a_cluster_from_its_reports_costs_and_a_followers_cost_from_the_steps():
+    from tests.bench.fleet import Table, basis, goals, sizing
+    reports = {"workers": 4, "tokens": 2000, "rows_per_token": 0.08, "wal_bytes_per_event": 750,
+               "cpu_s_per_1k_events": {"worker": 0.38, "postgres": 0.13, "redis": 0.013, "api": 0.016, "client": 0.02}}
+    size = sizing(basis(_fleet_step(), reports))[100]
+    assert size["event_rows_per_s"] == 20480                  # 100 GPUs x 64 streams x 40 tokens/s x 0.08
+    assert size["postgres_cores"] == 2.7                      # 20,480 x 0.13 ms
+    assert size["api_processes"] == 6                         # 20,480 x (0.016 + 0.2) ms = 4.4 cores / 0.8
+    assert sizing(basis(_fleet_step(), None))[100]["event_rows_per_s"] == 32000  # the short tasks' 0.125 a token
+    table = Table()
+    goals(table, [_fleet_step()], None, None, True, reports)
+    f3 = next(r for r in table.rows if r["id"] == "F3")
+    assert f3["status"] == "FAIL" and f3["value"].startswith("539.0 µs") and "1830.0 µs" in f3["note"]
+    cheap = {**reports, "cpu_s_per_1k_events": {"worker": 0.03, "postgres": 0.01, "redis": 0.001, "api": 0.01}}
+    table = Table()
+    goals(table, [_fleet_step()], None, None, True, cheap)
+    assert next(r for r in table.rows if r["id"] == "F3")["status"] == "PASS"
