@@ -44,6 +44,9 @@ class EventWriter:
         self._pending: list[tuple[Attempt, Event]] = []
         self._since: dict[Attempt, float] = {}  # when each attempt's oldest pending event was submitted
         self._lags: dict[Attempt, list] = {}    # per attempt: [batches, total lag, max lag] (its timeline)
+        # Attempts a batch of which was refused: their later batches are dropped, never logged after the
+        # gap the refused one left (the generation is being stopped; its outcome is written without us).
+        self._refused: set[Attempt] = set()
         self._submitted = 0
         self._committed = 0
         self._stop = False
@@ -75,9 +78,11 @@ class EventWriter:
 
     def commit_lag(self, attempt: Attempt) -> tuple[int, float, float] | None:
         """(batches, total, max) seconds from an event's submission to its commit, for ``attempt``'s
-        events so far (after ``flush``: all of them); forgotten once asked."""
+        events so far (after ``flush``: all of them). Asked once the attempt has written its last
+        event: everything about it is forgotten then."""
         with self._cond:
             lag = self._lags.pop(attempt, None)
+            self._refused.discard(attempt)
         return None if lag is None else tuple(lag)
 
     def stop(self) -> None:
@@ -113,8 +118,9 @@ class EventWriter:
                 upto = self._submitted
             grouped: dict[Attempt, list[Event]] = defaultdict(list)
             for attempt, event in pending:
-                grouped[attempt].append(event)
-            accepted = self._commit(grouped)
+                if attempt not in self._refused:
+                    grouped[attempt].append(event)
+            accepted = self._commit(grouped) if grouped else []
             metrics.EVENTS_WRITTEN.inc(sum(len(grouped[a]) for a in accepted))
             self.publisher.publish_many({a.response_id: grouped[a] for a in accepted})
             now = time.time()
@@ -135,13 +141,13 @@ class EventWriter:
             # One batch the database refuses must not stop the others: commit each on its own.
             return [a for a, batch in grouped.items() if self._commit_one(a, batch)]
         for attempt in refused:
-            self.on_lost(attempt, None)
+            self._lose(attempt, None)
         return [a for a in grouped if a not in refused]
 
     def _commit_one(self, attempt: Attempt, batch: list[Event]) -> bool:
         try:
             if self._retrying(lambda session: lifecycle.append(session, {attempt: batch})):
-                self.on_lost(attempt, None)
+                self._lose(attempt, None)
                 return False
             return True
         except IntegrityError:
@@ -151,8 +157,13 @@ class EventWriter:
             detail = "an event of this response collides with one already logged"
         except SQLAlchemyError as exc:
             detail = f"the database refused an event of this response ({type(getattr(exc, 'orig', None) or exc).__name__})"
-        self.on_lost(attempt, problem("generation_failed", detail))
+        self._lose(attempt, problem("generation_failed", detail))
         return False
+
+    def _lose(self, attempt: Attempt, write_error: dict | None) -> None:
+        with self._cond:
+            self._refused.add(attempt)
+        self.on_lost(attempt, write_error)
 
     def _retrying(self, fn):
         # Postgres restarting: keep the events and try again, never drop them.
