@@ -572,11 +572,12 @@ def goals(table: Table, steps: list[dict], hold: dict | None, storm: dict | None
               f"{bad} over {sum(s['followers'] for s in steps)} followers", "0", bool(steps) and bad == 0,
               f"streams ended by an error event and resumed: {sum(s.get('stream_errors') or 0 for s in steps)}")
     if best:
-        size = sizing(basis(best, reports))[100]
+        costs = basis(best, reports)
+        size = sizing(costs)[100]
         table.add("F8", "sizing: 100 GPUs x 64 streams x 40 tok/s",
                   f"Postgres {size['postgres_cores']} cores, {size['api_processes']} api processes",
                   "<= 16-core Postgres, <= 4 api", size["postgres_cores"] <= 16 and size["api_processes"] <= 4,
-                  f"first wall: {size['first_wall']}; from {basis(best, reports)['of']}")
+                  f"first wall: {size['first_wall']}; from {costs['of']}")
 
 
 def render_sizing(costs: dict) -> str:
