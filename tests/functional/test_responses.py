@@ -2,7 +2,10 @@
 conversations, models."""
 
 import json
+import socket
 import time
+import uuid
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
@@ -91,7 +94,36 @@ def test_disconnect_stops_generation(alice, model_id, pg_url):
             if deltas == 3:
                 break
     resp.close()  # the client goes away mid-generation
+    _assert_stopped(pg_url, model_id, rid, time.time())
+
+
+def test_sync_disconnect_stops_generation(alice, model_id, pg_url):
+    """Issue 33 defect 5: a non-streaming request whose client gives up after 1 s stops generating
+    (it ran to max_output_tokens and was recorded completed)."""
+    marker = uuid.uuid4().hex
+    body = json.dumps({"model": model_id, "input": f"Write a very long essay about the history of Rome. ({marker})",
+                       "max_output_tokens": 1000, "temperature": 0}).encode()
+    url = urlsplit(alice.url("/lmsp/v1/responses"))
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(f"POST {url.path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: {alice.http.headers['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n"
+                     .encode() + body)
+        time.sleep(1)
     closed_at = time.time()
+    engine = make_engine(pg_url)
+    try:
+        with session_factory(engine)() as session:
+            rows = session.execute(select(Response.id, Response.request).where(
+                Response.model == model_id).order_by(Response.created_at.desc()).limit(20)).all()
+    finally:
+        engine.dispose()
+    rid = next(r.id for r in rows if marker in json.dumps(r.request))
+    _assert_stopped(pg_url, model_id, rid, closed_at)
+
+
+def _assert_stopped(pg_url, model_id, rid, closed_at):
+    """The response whose client went away at ``closed_at`` is cancelled, having generated far fewer
+    than the 1,000 tokens it was allowed, and the worker's engine runs nothing any more."""
     engine = make_engine(pg_url)
     sessions = session_factory(engine)
     try:

@@ -1,0 +1,217 @@
+"""The direct path (spec 6.1) that every synchronous or streamed generation endpoint runs on:
+``POST /responses`` and ``POST /chat/completions`` differ only in how they word the request and the
+outcome. A direct response has no task: the api subscribes to its events, commits it, sends it to a
+worker and relays what comes back; a client that goes away aborts it (docs/architecture.md,
+invariant 9), whether it reads a stream or waits for one answer.
+"""
+
+import json
+import select
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from flask import Response, request
+
+from api.auth import hold_stream, principal
+from api.extensions import request_session, services
+from api.live import follow, stream_error
+from api.problems import problem_response
+from api.services import idempotency
+from api.services.validation import Prepared, prepare
+from api.services.work import DirectWatch, abort_direct, create_direct, response_json
+from common import events
+from common.errors import TRANSIENT
+
+Event = tuple[int, str, str]  # (seq, name, data JSON)
+GONE_CHECK_SECONDS = 0.2  # how often a waiting request looks at its client's socket
+
+
+@dataclass
+class Direct:
+    """One direct response under way for this request."""
+    svc: object
+    response_id: str
+    prepared: Prepared
+    key: idempotency.Key | None
+    events: Iterator[Event | None]  # None: nothing happened for a heartbeat
+
+
+@dataclass
+class Done:
+    """An Idempotency-Key's finished request: its outcome again (9.2), as the endpoint kept it."""
+    status: int
+    body: str
+    stream: bool
+
+
+def begin(body) -> Direct | Done:
+    """Validate ``body`` (a ``ResponseRequest``'s JSON) and start generating it for this request."""
+    svc = services()
+    who = principal()
+    key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path, body)
+    session = request_session()  # the one authentication opened; create_direct commits and closes it
+    prepared = prepare(session, svc, who, body)
+    hold_stream()  # the request holds this thread while the model generates
+    if key is not None:
+        done = svc.claims.begin(key)
+        if done is not None:
+            return Done(done.status_code, done.body, prepared.request.stream)
+    try:
+        return launch(svc, who, prepared, key, session)
+    except BaseException:
+        if key is not None:
+            svc.claims.abandon(key)  # whatever went wrong, the key is free again at once
+        raise
+
+
+def launch(svc, who: str, prepared: Prepared, key: idempotency.Key | None = None, session=None) -> Direct:
+    """Start generating ``prepared`` for principal ``who``, subscribed to its events before the commit
+    (also WebSocket mode's lanes, api/services/lanes.py, which hold no request)."""
+    subscription, live = None, True
+
+    def subscribe(response_id: str) -> None:
+        nonlocal subscription  # Redis confirms while Postgres commits
+        subscription = svc.hub.subscribe(response_id, confirm=False)
+
+    def confirmed(_response_id: str) -> bool:
+        nonlocal live  # before the dispatch: the first event cannot be published to nobody
+        live = svc.hub.confirm(subscription)
+        return live
+
+    try:
+        response_id = create_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed,
+                                    session=session)
+    except BaseException:
+        if subscription is not None:
+            subscription.close()
+        raise
+    watch = DirectWatch(svc, response_id, prepared.spec, logged=not live)
+    return Direct(svc, response_id, prepared, key, _events(svc, response_id, subscription, watch))
+
+
+def _events(svc, response_id, subscription, ended: DirectWatch):
+    for batch in follow(svc.hub, response_id, 0, logged=False, heartbeat=svc.settings.sse_heartbeat_seconds,
+                        ended=ended, subscription=subscription):
+        yield from (None,) if batch is None else batch
+
+
+def outcome(svc, response_id: str, final_name: str, final_data: str) -> tuple[int, str]:
+    """(status, body) of a finished direct response: its object, or the problem it failed with."""
+    if final_name == events.FAILED:
+        # The problem the response failed with, answered for this request (9.3: its instance is the path).
+        doc = {**json.loads(final_data)["error"], "instance": request.path}
+        return doc.get("status", 500), json.dumps(doc)
+    with svc.sessions() as session:
+        return 200, json.dumps(response_json(session, response_id))
+
+
+def answer(status: int, body: str) -> Response:
+    """A synchronous outcome (6.2): the endpoint's object, or the problem of a failed generation."""
+    if status < 400:
+        return Response(body, status=status, mimetype="application/json")
+    return problem_response({**json.loads(body), "status": status}, body=body)
+
+
+def kept_response(svc, response_id: str) -> str | None:
+    """What a replay of a stream's Idempotency-Key sends again: its response object, failed ones too."""
+    with svc.sessions() as session:
+        obj = response_json(session, response_id)
+    return None if obj is None else json.dumps(obj)
+
+
+def keep(svc, key, status: int, body: str, code: str | None) -> None:
+    """Keep a final outcome for the key's replays; a transient failure frees the key instead."""
+    if code in TRANSIENT:
+        svc.claims.abandon(key)
+    else:
+        svc.claims.finish(key, status, body)
+
+
+class ClientWatch:
+    """Whether the client of a request that writes nothing while it waits has gone. A WSGI app
+    learns of a closed connection only when it writes, so the socket is looked at directly: readable
+    with nothing to read is the client's FIN (or a reset). A client that half-closes after its request
+    counts as gone, as in vLLM's own server. Without a plain socket (TLS, the Flask test client) it
+    never says gone."""
+
+    def __init__(self, environ):
+        sock = environ.get("gunicorn.socket")
+        self.sock = sock if type(sock) is socket.socket else None  # an SSLSocket cannot peek
+        self.checked = 0.0
+
+    def gone(self) -> bool:
+        now = time.monotonic()
+        if self.sock is None or now - self.checked < GONE_CHECK_SECONDS:
+            return False
+        self.checked = now
+        try:
+            if not select.select([self.sock], [], [], 0)[0]:
+                return False
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):  # reset, or closed under us
+            return True
+
+
+def wait(run: Direct, finish: Callable[[int, str], tuple[int, str]] = lambda status, body: (status, body)
+         ) -> Response:
+    """The synchronous answer: the outcome once the final event comes, worded by ``finish`` (the
+    response object's or problem's (status, body) -> the endpoint's) and kept for the key. A client
+    that goes away meanwhile aborts the generation (recorded cancelled, as a closed stream is)."""
+    svc, finished = run.svc, False
+    client = ClientWatch(request.environ)
+    try:
+        for event in run.events:
+            if event is not None and event[1] in events.FINAL:
+                status, body = finish(*outcome(svc, run.response_id, event[1], event[2]))
+                if run.key is not None:
+                    keep(svc, run.key, status, body, json.loads(body).get("code") if status >= 400 else None)
+                finished = True
+                return answer(status, body)
+            if client.gone():
+                return Response(status=204)  # written to no one: the socket is closed
+    finally:
+        run.events.close()
+        if not finished:  # the client went away, or the server failed
+            abort_direct(svc, run.response_id)
+            if run.key is not None:
+                svc.claims.abandon(run.key)
+    raise AssertionError("follow() ends only after a final event")
+
+
+def stream(run: Direct, frames: Callable[[Event], str] = lambda event: events.sse(*event), end: str = "",
+           failed: Callable[[int], str] = stream_error) -> Iterator[str]:
+    """The streamed answer: ``frames(event)`` for each event (SSE text, "" for none), ``end`` after the
+    final one, ``failed(seq)`` (which logs) if the stream fails; the response object is kept for the
+    key's replays."""
+    svc, last, finished = run.svc, 0, False
+    try:
+        for event in run.events:
+            if event is None:
+                yield events.HEARTBEAT  # lets WSGI notice a closed client within a heartbeat
+                continue
+            last, name, data = event
+            yield frames(event)
+            if name in events.FINAL:
+                finished = True
+                if run.key is not None:
+                    kept = kept_response(svc, run.response_id)
+                    if kept is None:  # lost by a database crash: nothing to replay
+                        svc.claims.abandon(run.key)
+                    else:
+                        keep(svc, run.key, 200, kept, (json.loads(data).get("error") or {}).get("code"))
+                if end:
+                    yield end
+                return
+    except Exception:  # noqa: BLE001 - the stream must end with an event, never half a line
+        yield failed(last + 1)  # a direct stream is never resumed: the id just goes on
+    finally:
+        run.events.close()
+        if not finished:
+            abort_direct(svc, run.response_id)
+            if run.key is not None:
+                svc.claims.abandon(run.key)
+
