@@ -4,7 +4,7 @@ importing them here registers their commands on the group (``lmsp.console.cli``)
 """
 
 from common.settings import ConfigError
-from lmsp import admin, commands, servers, tail  # noqa: F401 (registers the commands)
+from lmsp import admin, commands, ops, servers, tail  # noqa: F401 (registers the commands)
 from lmsp.console import cli, fail
 
 

@@ -2,7 +2,7 @@
 (`kubectl kustomize`), every object validated against its schema (kubernetes-validate, strict; KEDA's
 and the Prometheus Operator's CRD schemas, vendored in tests/schemas), and cross-checked: selectors,
 references, env names the code reads, probes, ports, drain time, security, and the query KEDA runs
-(on a real Postgres database, as the read-only role of k8s/keda-role.sql)."""
+(on a real Postgres database, as the read-only role the migrate Job creates)."""
 
 import copy
 import json
@@ -22,10 +22,10 @@ import requests
 import yaml
 from flask import Flask
 from kubernetes_validate.utils import latest_version
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine
 
 from common.settings import Settings
-from tests.harness import free_port
+from tests.harness import PG_URL, free_port
 from tests.unit.test_metrics import fake_ctx
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +34,7 @@ SCHEMAS = ROOT / "tests" / "schemas"
 KUBERNETES = latest_version()  # the newest schemas kubernetes-validate bundles
 SETTINGS_ENV = {f"LMSP_{name.upper()}" for name in Settings.model_fields}
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
+PG_ADMIN = PG_URL.replace("postgresql+psycopg", "postgresql")
 SECRETS = {"lmsp-secrets": K8S / "secrets.env.example", "lmsp-keda-postgres": K8S / "keda-secret.env.example"}
 
 
@@ -375,10 +376,51 @@ def test_api_drains_and_gpu_knobs_render(rendered, tmp_path):
 
 
 # -- what KEDA reads, on the real Postgres ---------------------------------------------------------------
-def test_keda_query_counts_queued_handed_on_and_running_tasks_as_a_read_only_role(pg_url, rendered):
-    """The ScaledObject's own query, run as the role of k8s/keda-role.sql: a handed-on task (no owner, a
-    new attempt, re-sent to the broker at another priority) counts like the others; finished tasks and
-    other models do not; the role reads the count and nothing else."""
+def run_lmsp(argv: list[str], env: dict) -> subprocess.CompletedProcess:
+    """A container's `lmsp ...` command, run here with the venv's lmsp."""
+    assert argv[0] == "lmsp"
+    return subprocess.run([str(Path(sys.executable).parent / "lmsp"), *argv[1:]], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+
+
+def test_migrate_job_creates_kedas_role_after_the_migration_and_stops_on_error(rendered):
+    """The migrate Job's containers, in the order Kubernetes runs them, on a fresh database: the migration,
+    then KEDA's role from the login in its Secret (idempotent: a second Job run changes nothing). Run before
+    the migration, the role's step fails and says why (it was a psql script that exited 0 with its GRANT
+    failed, leaving KEDA without a count)."""
+    from tests.harness import create_database, drop_database
+
+    job = named(rendered, "Job", "lmsp-migrate")["spec"]["template"]["spec"]
+    steps = job.get("initContainers", []) + job["containers"]
+    assert [c["command"] for c in steps] == [["lmsp", "migrate"], ["lmsp", "keda-role"]]
+    (keda_env,) = [e for e in steps[1]["env"] if e["name"] == "KEDA_POSTGRES_URL"]
+    assert keda_env["valueFrom"]["secretKeyRef"] == {"name": "lmsp-keda-postgres", "key": "connection"}
+    assert "connection" in env_file(SECRETS["lmsp-keda-postgres"])
+    assert "sslmode=disable" not in env_file(SECRETS["lmsp-keda-postgres"])["connection"]
+    url = create_database(prefix="lmsp_keda")
+    role, password = f"lmsp_keda_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    keda_url = re.sub(r"//[^@/]*@", f"//{role}:{password}@", url.replace("postgresql+psycopg", "postgresql"), count=1)
+    env = {"LMSP_DATABASE_URL": url, "KEDA_POSTGRES_URL": keda_url}
+    try:
+        early = run_lmsp(steps[1]["command"], env)
+        assert early.returncode != 0 and "run `lmsp migrate` first" in early.stderr, early.stderr
+        for step in steps + [steps[1]]:   # the Job, then the Job of the next release
+            done = run_lmsp(step["command"], env)
+            assert done.returncode == 0, f"{step['name']}: {done.stderr}"
+        assert f"KEDA's role {role} can count tasks" in done.stderr
+        wrong = run_lmsp(steps[1]["command"], {**env, "KEDA_POSTGRES_URL": keda_url.replace(password, "")})
+        assert wrong.returncode != 0 and "needs a user and a password" in wrong.stderr
+        keda_counts_as_a_read_only_role(rendered, url, keda_url)
+    finally:
+        drop_database(url)
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def keda_counts_as_a_read_only_role(rendered, url: str, keda_url: str) -> None:
+    """The ScaledObject's own query, run as KEDA's role: a handed-on task (no owner, a new attempt, re-sent
+    to the broker at another priority) counts like the others; finished tasks and other models do not;
+    the role reads the count and nothing else."""
     from common import lifecycle
     from common.db import session_factory
     from common.tables import Task
@@ -387,45 +429,39 @@ def test_keda_query_counts_queued_handed_on_and_running_tasks_as_a_read_only_rol
     (trigger,) = of(rendered, "ScaledObject")[0]["spec"]["triggers"]
     query = trigger["metadata"]["query"]
     model = re.search(r"model = '([^']+)'", query).group(1)
-    role, password = f"lmsp_keda_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    sql = (K8S / "keda-role.sql").read_text().replace("lmsp_keda", role).replace(":'password'", f"'{password}'")
-    admin = pg_url.replace("postgresql+psycopg", "postgresql")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql)
-    keda_url = re.sub(r"//[^@/]*@", f"//{role}:{password}@", admin, count=1)
-    engine = create_engine(pg_url)
+    engine = create_engine(url)
     try:
         def count() -> int:
             with psycopg.connect(keda_url) as conn:
                 return conn.execute(query).fetchone()[0]
 
-        before = count()
+        assert count() == 0
         with session_factory(engine)() as session:
-            ids = [factories.task(session, status, model=model).id
-                   for status in ("running", "loading", "queued", "cancelling", "failed", "succeeded")]
+            for status in ("running", "loading", "queued", "cancelling", "failed", "succeeded"):
+                factories.task(session, status, model=model)
             handed = factories.task(session, "running", model=model, on_restart="retry")
             factories.task(session, "running", model=model + "-other")
             session.commit()
-            assert count() == before + 5
+            assert count() == 5
             send, _ = lifecycle.hand_on(session, handed.id, error=lifecycle.restarted_error("a drain"),
                                         attempt=handed.attempt)
             session.commit()
             row = session.get(Task, handed.id)
             assert send and row.worker_id is None and row.attempt == 2  # handed on, waiting for a worker
-        assert count() == before + 5, "a handed-on task is not counted"
-        assert ids
+        assert count() == 5, "a handed-on task is not counted"
         with psycopg.connect(keda_url) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("SELECT * FROM responses LIMIT 1")
         with psycopg.connect(keda_url) as conn, pytest.raises(psycopg.Error):
             conn.execute("UPDATE tasks SET status = 'failed' WHERE false")
     finally:
-        with engine.connect() as conn:
-            conn.execute(text("DELETE FROM tasks WHERE model IN (:a, :b)"), {"a": model, "b": model + "-other"})
-            conn.commit()
         engine.dispose()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP OWNED BY "{role}"')  # its grants, so the role can go
-            conn.execute(f'DROP ROLE "{role}"')
+
+
+def test_kedas_failure_is_visible_and_runs_every_gpu_meanwhile(rendered):
+    for scaled in of(rendered, "ScaledObject"):
+        fallback = scaled["spec"]["fallback"]
+        assert fallback["failureThreshold"] >= 1 and fallback["replicas"] == scaled["spec"]["maxReplicaCount"]
+    assert "kubectl -n lmsp get scaledobject" in (ROOT / "README.md").read_text()
 
 
 # -- the Grafana dashboard ----------------------------------------------------------------------------------

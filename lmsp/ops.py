@@ -1,0 +1,34 @@
+"""Operators' commands: the KEDA role (run by the migrate Job) and `lmsp doctor`."""
+
+import click
+
+from common.settings import get_settings
+from lmsp.console import cli, fail, say
+
+
+@cli.command("keda-role")
+@click.option("--url", "keda_url", envvar="KEDA_POSTGRES_URL", required=True,
+              help="KEDA's login, postgresql://ROLE:PASSWORD@HOST/DB (default KEDA_POSTGRES_URL: the "
+                   "Secret lmsp-keda-postgres's `connection`).")
+def keda_role(keda_url: str) -> None:
+    """Create or update KEDA's read-only role (it counts tasks per model), after `lmsp migrate`."""
+    import psycopg
+
+    from common import keda
+    from common.db import ensure_migrated, make_engine, shown_url
+    url = get_settings().db_url
+    engine = make_engine(url)
+    try:
+        ensure_migrated(engine)   # the grants need the tables
+    finally:
+        engine.dispose()
+    try:
+        role = keda.grant(url, keda_url)
+    except ValueError as exc:
+        fail(f"{exc}; fix `connection` in k8s/keda-secret.env and recreate Secret lmsp-keda-postgres")
+    except psycopg.Error as exc:
+        reason = str(exc).strip().splitlines()[0]
+        fail(f"KEDA's role on {shown_url(url)} failed: {reason}; LMSP_DATABASE_URL's user must own the "
+             f"database and may create roles (CREATEROLE), and KEDA's URL ({shown_url(keda_url)}) must "
+             "reach the same database")
+    say(f"KEDA's role {role} can count tasks (read-only) in {shown_url(url)}")
