@@ -14,8 +14,13 @@ then is still open. A task running for days holds its period back for that long;
 that did expire stay unread until then. Nothing deletes events row by row.
 
 Both run from the sweeper (``maintain``: one worker at a time, under an advisory lock) and from
-``lmsp migrate``. Every lock taken on ``events`` itself is one inserts and reads never wait for: a new
-period is created as a table and attached (SHARE UPDATE EXCLUSIVE), an old one detached CONCURRENTLY.
+``lmsp migrate``. Every step can be killed and rerun (invariant 15). Periods are made in one transaction
+with the tail's move past them (nothing is ever left without a partition; the tail's detach is the one
+lock inserts wait for, at most 200 ms, once per half look-ahead); retention detaches CONCURRENTLY, a lock
+inserts and reads never wait for. Every pass first finishes what a killed one left (``repair``: a detach
+left pending is finalized, a detached tail attached again, a table detached but not dropped dropped once
+its rows are past their retention). A look-ahead shorter than half the promised one is an alarm:
+``lmsp_event_partitions_ahead_seconds`` and an error in the log.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from prometheus_client import Gauge
 from sqlalchemy.engine import Engine
 
 from common.ids import id_floor, id_time
@@ -38,6 +44,8 @@ _LOCK = 0x6C6D7370  # pg_try_advisory_lock key: one maintainer at a time
 # created_at and a response id's time are two reads of one host's clock: a period's responses are
 # looked for with this much slack on either side, so a boundary never hides one.
 _SLACK = 60.0
+AHEAD = Gauge("lmsp_event_partitions_ahead_seconds",
+              "How far past now the event log's periods reach (alarm when under half the promised look-ahead).")
 
 
 def is_partition(name: str) -> bool:
@@ -110,55 +118,104 @@ def _attach(conn, name: str, low: str, high: str | None) -> None:
     conn.execute(f"ALTER TABLE {PARENT} ATTACH PARTITION \"{name}\" FOR VALUES FROM ('{low}') TO ({upper})")
 
 
+def _detached(conn) -> list[str]:
+    """The log's tables that are no partition of it (a drop was cut short after its detach)."""
+    rows = conn.execute(
+        "SELECT c.relname FROM pg_class c WHERE c.relkind = 'r' AND c.relnamespace = current_schema()::regnamespace "
+        "AND c.relname LIKE 'events\\_p%' AND NOT c.relispartition").fetchall()
+    return [name for (name,) in rows if is_partition(name) and name != TAIL]
+
+
+def repair(conn, retention: float | None = None) -> None:
+    """Finish what a killed pass left; each step is idempotent. A detach left pending is finalized; a log
+    without a tail gets it back (the detached one, rows and all, else a new one) past its last period; with
+    ``retention``, a detached period table is dropped once none of its responses needs its events (else it
+    is kept, with an error in the log)."""
+    for part in parts(conn):
+        if part.pending:
+            conn.execute(f'ALTER TABLE {PARENT} DETACH PARTITION "{part.name}" FINALIZE')
+            log.warning("event log: finished the detach of %s a killed pass left pending", part.name)
+    found = parts(conn)
+    if found and found[-1].high is not None:
+        with conn.transaction():
+            _attach(conn, TAIL, found[-1].high, None)
+        log.warning("event log: %s attached again past %s (a killed pass had detached it)", TAIL, found[-1].high)
+    for name in _detached(conn) if retention is not None else ():
+        low, high = conn.execute(f'SELECT min(response_id), max(response_id) FROM "{name}"').fetchone()
+        if low is not None and not _past(conn, low, high, retention):
+            log.error("event log: table %s was detached but holds events still in their retention; left as it is",
+                      name)
+            continue
+        conn.execute(f'DROP TABLE "{name}"')
+        log.warning("event log: dropped %s, detached by a pass that was killed before its drop", name)
+
+
+def _past(conn, low: str, high: str, retention: float) -> bool:
+    if not (low.startswith("resp_") and high.startswith("resp_")):
+        return False
+    cutoff = conn.execute(_NOW).fetchone()[0] - retention
+    return _expire(conn, id_time(low), id_time(high), cutoff)
+
+
+def _steps(low: str, until: float, width: float) -> list[tuple[str, str]]:
+    steps, at = [], id_time(low)
+    while at < until:
+        nxt = (math.floor(at / width) + 1) * width
+        steps.append((id_floor("response", at), id_floor("response", nxt)))
+        at = nxt
+    return steps
+
+
+def _tail(conn) -> Part | None:
+    return next((p for p in parts(conn) if p.high is None and not p.pending), None)
+
+
 class _Leave(Exception):
     pass
 
 
 def ensure_ahead(engine: Engine, until: float, width: float) -> int:
     """Periods of ``width`` seconds (on a grid of ``width``) made up to at least ``until``; returns how many
-    were made. The tail moves up past them: detached concurrently when empty (it is, unless the periods
-    ran out: then, under a short lock, it is closed as a period of its own at its last id)."""
+    were made. The tail moves up past them in the same transaction (it is detached under a lock inserts
+    wait for at most 200 ms, so the pass is retried rather than queueing them), so a pass killed anywhere
+    leaves either every period or none, and the tail attached."""
     if not partitioned(engine):
         return 0
     with _admin(engine) as conn:
-        tail = next((p for p in parts(conn) if p.high is None), None)
+        repair(conn)
+        tail = _tail(conn)
         low = tail.low if tail else None
         if low is None or id_time(low) >= until:
             return 0
-        steps = []
-        at = id_time(low)
-        while at < until:
-            nxt = (math.floor(at / width) + 1) * width
-            steps.append((id_floor("response", at), id_floor("response", nxt)))
-            at = nxt
-        empty = conn.execute(f"SELECT NOT EXISTS (SELECT 1 FROM {TAIL})").fetchone()[0]
-        if empty:
-            conn.execute(f"ALTER TABLE {PARENT} DETACH PARTITION {TAIL} CONCURRENTLY")
+        steps = _steps(low, until, width)
         try:
             with conn.transaction():
-                if not empty:
-                    # Ids past the last period arrived (the maintenance was late): close the tail at its last
-                    # id's period, as one more partition, under a lock inserts wait for at most this long.
-                    conn.execute("SET LOCAL lock_timeout = '200ms'")
-                    conn.execute(f"ALTER TABLE {PARENT} DETACH PARTITION {TAIL}")
-                    last = conn.execute(f"SELECT max(response_id) FROM {TAIL}").fetchone()[0]
-                    end = (math.floor(id_time(last) / width) + 1) * width if last.startswith("resp_") else None
-                    if end is None or end >= until:
-                        raise _Leave()  # ids we cannot place (not ours, or far ahead): leave the tail as it is
-                    conn.execute(f'ALTER TABLE {TAIL} RENAME TO "{_name(low)}"')
-                    _attach(conn, _name(low), low, id_floor("response", end))
-                    steps = [(lo, hi) for lo, hi in steps if id_time(lo) >= end]
+                conn.execute("SET LOCAL lock_timeout = '200ms'")
+                conn.execute(f"ALTER TABLE {PARENT} DETACH PARTITION {TAIL}")
+                steps = _close_tail(conn, low, until, width, steps)
                 for lo, hi in steps:
                     _attach(conn, _name(lo), lo, hi)
                 _attach(conn, TAIL, steps[-1][1], None)
-        except BaseException as exc:
-            if empty:  # never leave ids past the last period without a partition
-                _attach(conn, TAIL, low, None)
-            if isinstance(exc, _Leave):
-                return 0
-            raise
+        except _Leave:
+            return 0
     log.info("event log: %d partitions made, up to %s", len(steps), steps[-1][1])
     return len(steps)
+
+
+def _close_tail(conn, low: str, until: float, width: float, steps: list) -> list:
+    """Ids past the last period that arrived (the maintenance was late): the tail, rows and all, becomes
+    the period of its last id; returns the steps left after it. Ids it cannot place (not ours, or far
+    ahead) leave the tail as it was (``_Leave`` rolls the transaction back)."""
+    last = conn.execute(f"SELECT max(response_id) FROM {TAIL}").fetchone()[0]
+    if last is None:
+        return steps
+    end = (math.floor(id_time(last) / width) + 1) * width if last.startswith("resp_") else None
+    if end is None or end >= until:
+        log.error("event log: the tail partition holds ids no period can take (up to %s)", last)
+        raise _Leave()
+    conn.execute(f'ALTER TABLE {TAIL} RENAME TO "{_name(low)}"')
+    _attach(conn, _name(low), low, id_floor("response", end))
+    return [(lo, hi) for lo, hi in steps if id_time(lo) >= end]  # not empty: end < until
 
 
 def drop_expired(engine: Engine, retention: float) -> int:
@@ -168,15 +225,13 @@ def drop_expired(engine: Engine, retention: float) -> int:
         return 0
     dropped = 0
     with _admin(engine) as conn:
+        repair(conn, retention)
         cutoff = conn.execute(_NOW).fetchone()[0] - retention
         for part in parts(conn):
-            if part.pending:  # a detach cut short (its connection died): finish it
-                conn.execute(f'ALTER TABLE {PARENT} DETACH PARTITION "{part.name}" FINALIZE')
-                conn.execute(f'DROP TABLE "{part.name}"')
-                continue
             if part.high is None or id_time(part.high) > cutoff:
                 break  # this period's responses and every later one's may still be in their retention
-            if not _expire(conn, part, cutoff):
+            low = -1e300 if part.low is None else id_time(part.low)
+            if not _expire(conn, low, id_time(part.high), cutoff):
                 continue
             conn.execute(f'ALTER TABLE {PARENT} DETACH PARTITION "{part.name}" CONCURRENTLY')
             conn.execute(f'DROP TABLE "{part.name}"')
@@ -185,12 +240,10 @@ def drop_expired(engine: Engine, retention: float) -> int:
     return dropped
 
 
-def _expire(conn, part: Part, cutoff: float) -> bool:
-    """Mark the tasks of ``part``'s period whose events are past their retention, and say whether none
-    of its responses needs its events any more. Both read the partial indexes of what is still kept."""
-    low = -1e300 if part.low is None else id_time(part.low) - _SLACK
-    high = id_time(part.high) + _SLACK
-    period = {"low": low, "high": high, "cutoff": cutoff}
+def _expire(conn, low: float, high: float, cutoff: float) -> bool:
+    """Mark the tasks made in [low, high] whose events are past their retention, and say whether none
+    of the responses made then needs its events any more. Both read the partial indexes of what is still kept."""
+    period = {"low": low - _SLACK, "high": high + _SLACK, "cutoff": cutoff}
     with conn.transaction():
         conn.execute("UPDATE tasks SET events_expired = true WHERE NOT events_expired AND created_at >= %(low)s "
                      "AND created_at < %(high)s AND ended_at < %(cutoff)s", period)
@@ -201,19 +254,40 @@ def _expire(conn, part: Part, cutoff: float) -> bool:
     return not held
 
 
+def lookahead(engine: Engine) -> float | None:
+    """Seconds from now (the database's clock) to the end of the last period made."""
+    with _admin(engine) as conn:
+        tail = _tail(conn)
+        return None if tail is None or tail.low is None else id_time(tail.low) - conn.execute(_NOW).fetchone()[0]
+
+
 def maintain(engine: Engine, *, retention: float, width: float, ahead: float) -> None:
     """Periods made ``ahead`` seconds past now (and more only when fewer than half are left), expired
-    ones dropped; by one process at a time (the others skip)."""
+    ones dropped; by one process at a time (the others skip). Every pass repairs first; a look-ahead
+    still under half the promise afterwards is the alarm."""
     if not partitioned(engine):
         return
     with _admin(engine) as conn:
         if not conn.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK,)).fetchone()[0]:
             return
         try:
+            repair(conn, retention)
             now = conn.execute(_NOW).fetchone()[0]
-            tail = next((p for p in parts(conn) if p.high is None), None)
+            tail = _tail(conn)
             if tail is not None and tail.low is not None and id_time(tail.low) < now + ahead / 2:
                 ensure_ahead(engine, now + ahead, width)
             drop_expired(engine, retention)
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK,))
+            _alarm(engine, ahead)
+
+
+def _alarm(engine: Engine, ahead: float) -> None:
+    try:
+        left = lookahead(engine)
+    except Exception:  # noqa: BLE001 - the pass's own error is the one to raise
+        return
+    AHEAD.set(left or 0.0)
+    if left is None or left < ahead / 2:
+        log.error("event log: partitions reach only %.0f s ahead (%.0f promised): maintenance is failing "
+                  "(past them new responses' events go to the tail)", left or 0.0, ahead)
