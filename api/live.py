@@ -6,8 +6,11 @@ that runs every follower of the process (docs/architecture.md, invariants 9 and 
 
 * ``SocketSink``: the client's own socket, handed over by the WSGI server once the view has checked
   the request (``api/serve.py``), written without blocking by the fan-out thread. A follower costs a
-  few KiB and no thread; a batch's frames are encoded once for every follower at the same point. A
-  follower whose unsent frames pass ``follower_buffer_bytes`` is cut: it resumes from the log.
+  few KiB and no thread; a batch's frames are encoded once for every follower at the same point.
+  A follower goes at its reader's pace: the next page of a replay is read once less than half of
+  ``follower_buffer_bytes`` is unsent, and a follower whose unsent frames pass that bound takes no
+  more live batches: it reads the log instead, page by page, until it has caught up. Only a client
+  that takes nothing for ``follower_stall_seconds`` is cut (it resumes from the log).
 * ``QueueSink``: a request thread reads the follower (``follow``): direct responses, which hold
   their thread anyway (their request waits for the model), and servers that cannot hand a socket
   over (the Flask test client).
@@ -47,12 +50,10 @@ Event = tuple[int, str, str]
 PING_SECONDS = 5.0         # the listener pings Redis this often; silence for 3 pings means it is gone
 CONFIRM_SECONDS = 1.0      # how long a new follower waits for Redis to confirm its subscription
 PAGE = 5000  # events per log read (~1 MB), written to the client in one piece; 20,000 cost 10% more CPU (bigger allocations)
-READ_AHEAD = 256 * 1024  # a replay's next page is read once less than this of the last is unsent (read and write overlap)
 SAFETY_NET_SECONDS = 5.0   # a quiet task's log is re-read (then "has it ended" asked) this often
 DIRECT_CHECK_SECONDS = 1.0  # a quiet direct stream asks whether its worker died this often
 TICK_SECONDS = 0.5         # heartbeats, pings, token rechecks and closing deadlines run this often
 PENDING_MAX = 1024         # live events kept while a follower's log read runs; past it, read again
-STALL_SECONDS = 60.0       # a client that has taken none of its pending frames this long is cut
 LINGER_SECONDS = 2.0       # after its last frame, how long a socket waits for the client to close
 USER_TIMEOUT_MS = 30_000   # unacknowledged data this old: the kernel drops the connection (a vanished peer)
 READERS = 4                # threads for the followers' database reads
@@ -161,7 +162,7 @@ class SocketSink:
     in ``out``, bounded."""
 
     __slots__ = ("hub", "sock", "ws", "path", "on_close", "follower", "out", "queued", "sent_at", "moved_at",
-                 "pinged", "pong", "inbuf", "closing", "writing")
+                 "pinged", "pong", "inbuf", "ending", "fin_at", "writing")
 
     def __init__(self, hub: "Hub", sock: socket.socket, ws: bool, path: str, on_close: Callable[[], None]):
         self.hub, self.sock, self.ws, self.path, self.on_close = hub, sock, ws, path, on_close
@@ -171,24 +172,20 @@ class SocketSink:
         self.sent_at = self.moved_at = self.pinged = time.monotonic()
         self.pong = True
         self.inbuf: bytearray | None = None
-        self.closing: float | None = None  # when the last frame was queued: linger until then + LINGER
+        self.ending = False  # the follower ended: what is queued goes out, then the socket closes
+        self.fin_at: float | None = None  # when the FIN went (all sent): linger until then + LINGER
         self.writing = False
 
     def events(self, batch: Batch) -> None:
-        self.send(batch.encoded(self.ws), live=True, framed=True)
+        self.send(batch.encoded(self.ws), framed=True)
 
-    def send(self, data: bytes, live: bool = False, framed: bool = False) -> None:
-        """Queue ``data`` (an SSE body's chunk framing added unless ``framed``); a live frame past the
-        buffer bound cuts the follower instead."""
+    def send(self, data: bytes, framed: bool = False) -> None:
+        """Queue ``data`` (an SSE body's chunk framing added unless ``framed``)."""
         if self.sock is None:
             return
         if not (self.ws or framed):
             data = chunk(data)
         if self.out:
-            if live and self.queued + len(data) > self.hub.settings.follower_buffer_bytes:
-                log.info("follower of %s cut: %d bytes unsent", self.follower.response_id, self.queued)
-                self.follower.end(CUT)
-                return
             self.out.append(data)
             self.queued += len(data)
             return
@@ -199,7 +196,8 @@ class SocketSink:
         except OSError:
             self.follower.end(GONE)
             return
-        self.sent_at = time.monotonic()
+        # Progress is bytes the kernel took, by whichever path; nothing was pending before this.
+        self.sent_at = self.moved_at = time.monotonic()
         if n < len(data):
             self.out.append(memoryview(data)[n:])
             self.queued += len(data) - n
@@ -228,13 +226,18 @@ class SocketSink:
                     self.out[0] = memoryview(head)[n:]
                     n = 0
         self._want_write(False)
-        if self.closing is not None:
+        if self.ending:
             self._half_close()
         elif self.follower.more:
             self.follower.read_on()
 
     def wants_more(self) -> bool:
-        return self.queued < READ_AHEAD
+        """Whether a replay's next page may be read: less than the low-water mark is unsent."""
+        return self.queued < self.hub.settings.follower_buffer_bytes // 2
+
+    def behind(self) -> bool:
+        """More is unsent than the bound: live batches are left to the log."""
+        return self.queued > self.hub.settings.follower_buffer_bytes
 
     def finish(self, how: str, exc: BaseException | None, last: int) -> None:
         """The follower ended: say why in the stream's own terms, then close once it is sent."""
@@ -263,14 +266,18 @@ class SocketSink:
             self.send(stream_error(last, error_doc(exc, self.path)).encode())
         if not self.ws:
             self.send(LAST_CHUNK, framed=True)
-        self.closing = time.monotonic()
-        self.hub._closing.add(self)
+        self._end()
+
+    def _end(self) -> None:
+        self.ending = True
+        self.hub.draining.add(self)
         if not self.out:
             self._half_close()
 
     def _half_close(self) -> None:
         """FIN after the last frame, then wait for the client's close (or LINGER): closing at once
         with unread input would reset the connection and could cost the client its last frames."""
+        self.fin_at = time.monotonic()
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:
@@ -284,12 +291,12 @@ class SocketSink:
         except OSError:
             data = b""
         if not data:
-            if self.closing is not None:
+            if self.ending:
                 self.close()
             else:
                 self.follower.end(GONE)
             return
-        if self.closing is not None:
+        if self.ending:
             if len(data) > 1024:
                 self.close()  # a goodbye is a few bytes: this client floods instead
             return
@@ -323,13 +330,10 @@ class SocketSink:
             del buf[:at + n]
             if opcode == 0x8:  # close: answer it (with its code) and end
                 self.inbuf = None
-                if self.closing is None:
+                if not self.ending:
                     self.follower.end(GONE, keep_socket=True)
                     self.send(ws_message(payload[:2], 0x8))
-                    self.closing = time.monotonic()
-                    self.hub._closing.add(self)
-                    if not self.out:
-                        self._half_close()
+                    self._end()
                 return
             if opcode == 0x9:
                 self.send(ws_message(payload, 0xA))
@@ -340,13 +344,19 @@ class SocketSink:
 
     def tick(self, now: float) -> None:
         settings = self.hub.settings
-        if self.closing is not None:
-            if now - self.closing > LINGER_SECONDS:
+        if self.ending:
+            # Its last frames drain at the client's pace (bounded by the stall), then it lingers.
+            if now - (self.moved_at if self.fin_at is None else self.fin_at) > \
+                    (settings.follower_stall_seconds if self.fin_at is None else LINGER_SECONDS):
                 self.close()
             return
-        if self.out and now - self.moved_at > STALL_SECONDS:
+        if self.out and now - self.moved_at > settings.follower_stall_seconds:
+            log.info("follower of %s cut: %d bytes unsent, none taken for %.0f s", self.follower.response_id,
+                     self.queued, now - self.moved_at)
             self.follower.end(CUT)
-        elif self.ws:
+        elif self.ws and not self.out:
+            # Behind a backlog, the bytes the client takes prove it is there (the stall check above);
+            # a ping would wait behind them and its pong come late.
             if now - self.pinged >= settings.ws_ping_seconds:
                 if not self.pong:
                     self.follower.end(GONE)  # it missed its pong: a vanished client
@@ -372,7 +382,7 @@ class SocketSink:
         except (KeyError, ValueError):
             pass
         sock.close()
-        self.hub._closing.discard(self)
+        self.hub.draining.discard(self)
         self.on_close()
 
 
@@ -398,19 +408,15 @@ class QueueSink:
     def events(self, batch: Batch) -> None:
         size = sum(len(e[2]) + 32 for e in batch.events)
         with self.cond:
-            if self.queued and self.queued + size > self.hub.settings.follower_buffer_bytes \
-                    and self.follower.state == LIVE:
-                over = True
-            else:
-                over = False
-                self.items.append(batch.events)
-                self.queued += size
-                self.cond.notify()
-        if over:
-            self.follower.end(CUT)
+            self.items.append(batch.events)
+            self.queued += size
+            self.cond.notify()
 
     def wants_more(self) -> bool:
         return not self.items
+
+    def behind(self) -> bool:
+        return self.queued > self.hub.settings.follower_buffer_bytes
 
     def finish(self, how: str, exc: BaseException | None, last: int) -> None:
         with self.cond:
@@ -494,11 +500,16 @@ class Follower:
         if self.state == ENDED:
             return
         if self.reading or self.more or not self.began:
-            if len(self.pending) + len(batch.events) > PENDING_MAX:
-                self.pending.clear()
-                self.reread = True  # the read in flight is followed by another
-            else:
-                self.pending.extend(batch.events)
+            self._hold(batch)
+            return
+        if self.sink.behind():
+            if not self.logged:  # a direct stream's events are not in the log: it resumes
+                log.info("follower of %s cut: %d bytes unsent", self.response_id, self.sink.queued)
+                self.end(CUT)
+                return
+            # The reader is slower than the response: it reads the log at its own pace from here on.
+            self.state, self.more = REPLAY, True
+            self._hold(batch)
             return
         events = batch.events
         if events[0][0] == self.last + 1 and batch.contiguous and batch.final in (-1, len(events) - 1):
@@ -528,6 +539,14 @@ class Follower:
             self.end(FINISHED)
         elif self.pending and self.state != ENDED:
             self._read(ask_ended=False)
+
+    def _hold(self, batch: Batch) -> None:
+        """A live batch that waits for a log read (or is left to it, when too many wait)."""
+        if len(self.pending) + len(batch.events) > PENDING_MAX:
+            self.pending.clear()
+            self.reread = True  # the read in flight (or the next) is followed by another
+        else:
+            self.pending.extend(batch.events)
 
     def _read(self, ask_ended: bool, known=None) -> None:
         self.reading, self.more = True, False
@@ -718,7 +737,7 @@ class Hub:
         os.set_blocking(self._wake_w, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._readers = ThreadPoolExecutor(READERS, "lmsp-follow-read")
-        self._closing: set[SocketSink] = set()  # sockets whose follower ended, lingering until closed
+        self.draining: set[SocketSink] = set()  # sockets whose follower ended: their last frames go, then they close
         threading.Thread(target=self._run, name="lmsp-fanout", daemon=True).start()
         if self.client is not None:
             threading.Thread(target=self._listen, name="lmsp-hub", daemon=True).start()
@@ -1058,9 +1077,9 @@ class Hub:
                         follower.check_auth(now)
                 except Exception as exc:  # noqa: BLE001
                     self._failed(follower, exc)
-        for sink in list(self._closing):
+        for sink in list(self.draining):
             sink.tick(now)
-        if self.closing.is_set() and not self._closing and \
+        if self.closing.is_set() and not self.draining and \
                 not any(f.logged for t in self._topics.values() for f in t.followers):
             self.closed.set()
 

@@ -86,9 +86,11 @@ class Settings(BaseSettings):
     # Followers of task events handed to the process's fan-out thread: memory, not a thread, each.
     max_followers_per_process: int = Field(10000, ge=1)  # also kept under the process's open-file limit
     max_followers_per_principal: int = Field(1000, ge=1)  # per process
-    # A follower whose unsent frames pass this is cut (it resumes); its socket's kernel send buffer is
+    # A task follower whose unsent frames pass this reads the log at its reader's pace instead of
+    # taking live batches (a direct stream is cut: it resumes); its socket's kernel send buffer is
     # capped to the same.
     follower_buffer_bytes: Count = 256 * 1024
+    follower_stall_seconds: Interval = 60.0  # a client that took none of its pending bytes this long is cut
     follower_heartbeat_seconds: Interval = 15.0  # an idle SSE follower's keep-alive (a vanished one is seen at once)
     stream_auth_recheck_seconds: Interval = 5.0  # how often an open stream checks its token is not revoked
     ws_ping_seconds: Interval = 10.0        # a WebSocket client that misses a pong for this long is dropped

@@ -20,8 +20,9 @@ import psycopg
 from common.db import upgrade
 from tests.chaos import checker, faults
 from tests.chaos.load import History, Load
-from tests.chaos.servers import EventDisk, Proxy
+from tests.chaos.servers import EventDisk
 from tests.harness import Stack, engine_pids, free_port, model_entry
+from tests.proxy import Proxy
 from tests.servers import PgCluster, RedisServer
 
 SECONDS = float(os.environ.get("LMSP_CHAOS_SECONDS") or 1200)

@@ -1,6 +1,7 @@
 """Followers hold no api thread (api/live.py, api/handover.py): on a real gunicorn with 4 threads,
 hundreds of SSE and WebSocket followers of one task all get every event once, in order, and end after
-the final one; a follower that stops reading is cut, and resumes from the log. No engine: the test
+the final one; a follower that stops reading is cut (once it has taken nothing for the stall bound),
+and resumes from the log. No engine: the test
 writes the task's log and publishes as a worker would. Cost: ~10 s (an api start, 2 token creations)."""
 
 import socket
@@ -22,6 +23,7 @@ SSE, WS = 150, 50
 def small(stack):
     """An api with 4 threads, 2 kept back: a thread-per-follower server would hold 2 followers."""
     base = stack.start_api(threads=4, LMSP_STREAM_RESERVED_THREADS="2", LMSP_FOLLOWER_BUFFER_BYTES="65536",
+                           LMSP_FOLLOWER_STALL_SECONDS="2",
                            LMSP_RATE_LIMIT_PER_SECOND="10000", LMSP_RATE_LIMIT_BURST="10000")
     return base, int(base.rsplit(":", 1)[1]), stack.token("fan")
 
@@ -87,6 +89,7 @@ def test_a_follower_that_stops_reading_is_cut_and_resumes_from_the_log(small, se
         _write(sessions, publisher, rid, [(seq, events.TEXT_DELTA, big) for seq in range(first, first + 10)])
     name, data = events.final(rid, "completed", usage={})
     _write(sessions, publisher, rid, [(202, name, events.dumps(data))])
+    time.sleep(3)  # none of its bytes taken for longer than the stall bound (2 s)
     slow.settimeout(10)
     got = b""
     while chunk := slow.recv(1 << 16):  # the server cut it: an end of stream before the final event
