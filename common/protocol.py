@@ -175,6 +175,11 @@ class ResponseRequest(Strict):
     stream: StrictBool = False
     max_output_tokens: TokenCount | None = None
     temperature: float | None = Field(default=None, ge=0, le=2, strict=True)
+    # Extensions of 6.1 that Chat Completions needs (api/chat_completions.py): generation ends before
+    # any of these strings (left out of the text), and a seed makes sampling repeatable.
+    stop: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=200)]],
+                    Field(min_length=1, max_length=4)] | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 63, strict=True)
     response_format: Annotated[TextFormat | JsonSchemaFormat, Field(discriminator="type")] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
@@ -263,7 +268,7 @@ def _branch(members: list, label) -> object:
     """The union member pydantic's ``label`` (a discriminator value or a type name) stands for."""
     for member in map(_unwrap, members):
         if isinstance(member, type) and issubclass(member, BaseModel):
-            tag = member.model_fields.get("type")
+            tag = member.model_fields.get("type") or member.model_fields.get("role")  # chat's messages: by role
             if label == member.__name__ or (tag is not None and label in get_args(tag.annotation)):
                 return member
         elif str(label).startswith(f"{getattr(get_origin(member) or member, '__name__', '')}".lower()):

@@ -173,6 +173,7 @@ class EngineHost(GatedHost):
             max_tokens=p.max_tokens - done,
             seed=p.seed,
             stop_token_ids=p.stop_token_ids,
+            stop=p.stop,
             ignore_eos=p.ignore_eos,
             structured_outputs=(
                 StructuredOutputsParams(json=p.json_schema) if p.json_schema is not None else None

@@ -41,6 +41,7 @@ class GenParams:
     temperature: float | None = None  # None -> the model's generation_config, else 1.0; 0 = greedy
     json_schema: dict | None = None  # structured output: constrain to this JSON schema
     stop_token_ids: list[int] | None = None
+    stop: list[str] | None = None  # strings that end generation, left out of the text
     priority: int = 0  # lower value = served earlier (vLLM priority scheduling)
     rank: float = 0.0  # within a priority, lower is admitted first: a task's virtual finish (common/fairshare.py)
     seed: int | None = None

@@ -150,7 +150,8 @@ class Job:
         schema = tool_call_schema(self.req) or self.req.json_schema
         temperature = self.req.temperature if self.req.temperature is not None else self.spec.default_temperature
         params = GenParams(max_tokens=max(max_tokens, 1), temperature=temperature, json_schema=schema,
-                           priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY, rank=self.rank)
+                           priority=TASK_PRIORITY if self.attempt.task_id else DIRECT_PRIORITY, rank=self.rank,
+                           seed=self.req.seed, stop=self.req.stop)
         prompt = prompt_ids if prompt_ids and not builder.raw else render(self.engine.tokenizer(), self.req,
                                                                           continuation=builder.raw)
         return params, prompt
