@@ -124,7 +124,9 @@ def advance(session: Session, task: Task) -> None:
 
 # -- the end of a task ---------------------------------------------------------------------------------
 def settle(session: Session, task_id: str, used: int, *, queued: bool = False) -> bool:
-    """Correct the charge of a task that ended having used ``used`` tokens (0: it never ran).
+    """Correct the charge of a task that ended having used ``used`` tokens (0: it never ran): every end
+    of a task calls this once. Once only all the same: the task's charge becomes what it used and its
+    span on the clock none (start = finish), so a second settle finds nothing left to give back.
     ``queued``: only while the task is still queued, which it then stays until this transaction ends.
     Locks the task's row before its principal's clock, as every writer of both does (no deadlock)."""
     row = session.execute(update(Task).where(Task.id == task_id, *([Task.status == QUEUED] if queued else ()))
@@ -132,9 +134,23 @@ def settle(session: Session, task_id: str, used: int, *, queued: bool = False) -
                                                             Task.virtual_start, Task.virtual_finish)).one_or_none()
     if row is None:
         return False
-    back = unused(row.virtual_start, row.virtual_finish, row.cost, used)
+    back = unused(row.virtual_start, row.virtual_finish, row.cost, min(used, row.cost))
+    if row.virtual_finish > row.virtual_start:
+        session.execute(update(Task).where(Task.id == task_id).values(
+            cost=min(used, row.cost), virtual_start=row.virtual_finish - back, virtual_finish=row.virtual_finish - back))
     if back:
         session.execute(update(VirtualTime).where(
             VirtualTime.model == row.model, VirtualTime.principal_id == row.principal_id).values(
             finish=VirtualTime.finish - back))
     return True
+
+
+def spend(session: Session, task: Task, used: int) -> None:
+    """An attempt that is thrown away (a ``retry`` task starting over) used ``used`` tokens outside the
+    task's charge, which covers one run: its principal's clock moves on by them."""
+    if used <= 0:
+        return
+    weight = select(Principal.weight).where(Principal.id == task.principal_id).scalar_subquery()
+    session.execute(update(VirtualTime).where(
+        VirtualTime.model == task.model, VirtualTime.principal_id == task.principal_id).values(
+        finish=VirtualTime.finish + used / weight))

@@ -421,7 +421,7 @@ def _finish_direct(session: Session, attempt: Attempt, status: R, **kw) -> Publi
 # -- handing a task on -----------------------------------------------------------------------------
 def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None = None,
             owner_expired_after: float | None = None, unstarted_again: bool = False,
-            crashed_after: int | None = None) -> tuple[bool, Publish]:
+            crashed_after: int | None = None, used: int | None = None) -> tuple[bool, Publish]:
     """An attempt ended without an outcome (its worker restarted, drained, lost its engine or its
     lease): apply the task's ``on_restart`` policy (7.5). ``cancelling`` -> ``cancelled`` whatever the
     policy; ``fail`` -> ``failed`` with ``error``; ``retry``/``resume`` -> the task keeps its state with
@@ -434,6 +434,8 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
     ``crashed_after``: the engine died while prefilling this task, which may be what killed it (a poison
     request): counted, and the task fails ``generation_failed`` at that many crashes instead of going
     round every worker of its model forever, failing others' running tasks each time.
+    ``used``: the tokens the attempt used, when its worker knows (else estimated): an end settles the
+    task's fair-share charge, a ``retry`` starting over is charged what it threw away.
     Returns (whether a broker message must be sent for the task, events to publish).
     """
     where = [Task.status.in_(LIVE)]
@@ -448,25 +450,39 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
         .execution_options(populate_existing=True)).scalar_one_or_none()
     if task is None:
         return False, {}
+    used = _used(session, task.response_id, used, started=task.status != LOADING)
     if task.status == CANCELLING:
         transition(session, task_id, CANCELLED, only_from=[CANCELLING])
+        fairshare.settle(session, task_id, used)
         return False, _task_final(session, task, R.CANCELLED)
     if crashed_after is not None and task.crashes >= crashed_after:
         error = problem("generation_failed", f"The engine died {task.crashes} times while starting this "
                         "request (the limit, LMSP_MAX_ATTEMPTS); it is not run again")
         transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error)
+        fairshare.settle(session, task_id, used)
         return False, _task_final(session, task, R.FAILED, error=error)
     if task.on_restart == "fail" and not (unstarted_again and task.status == LOADING):
         transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error)
+        fairshare.settle(session, task_id, used)
         return False, _task_final(session, task, R.FAILED, error=error)
+    if task.on_restart == "retry":
+        fairshare.spend(session, task, used)  # the next attempt starts over: this one's tokens are spent
     session.execute(update(Task).where(Task.id == task_id).values(
         worker_id=None, dispatched_at=db_now(), dispatches=Task.dispatches + 1))
     return True, {}
 
 
-def fail_write(session: Session, attempt: Attempt, error: dict) -> Publish:
+def _used(session: Session, response_id: str, used: int | None, started: bool = True) -> int:
+    """The tokens an attempt used, as its worker counted them, else its prompt once it had started."""
+    if used is not None or not started:
+        return used or 0
+    return session.execute(select(Response.input_tokens).where(Response.id == response_id)).scalar() or 0
+
+
+def fail_write(session: Session, attempt: Attempt, error: dict, used: int | None = None) -> Publish:
     """An event of this attempt could not be written (a value the database refuses, a foreign row at
-    its sequence number): the task fails alone, its final event numbered after the log."""
+    its sequence number): the task fails alone, its final event numbered after the log (``used``: as
+    ``hand_on``'s)."""
     if attempt.task_id is None:
         if not respond(session, attempt.response_id, R.FAILED, only_from=[R.IN_PROGRESS],
                        where=attempt.direct_where(), error=error):
@@ -479,6 +495,7 @@ def fail_write(session: Session, attempt: Attempt, error: dict) -> Publish:
         status = R.CANCELLED
     else:
         raise Fenced(attempt)
+    fairshare.settle(session, attempt.task_id, _used(session, attempt.response_id, used))
     return {attempt.response_id: _final(session, attempt.response_id, status, error=error)}
 
 

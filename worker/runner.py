@@ -99,6 +99,7 @@ class Job:
             self._run(builder, prior_output_tokens, prompt_ids)
         finally:
             self.ctx.release(self.attempt)
+            self.ctx.writer.forget(self.attempt)  # every end, fenced and engine losses too
 
     def _run(self, builder: OutputBuilder, prior_output_tokens: int, prompt_ids: list[int] | None) -> None:
         ctx, entry = self.ctx, self.entry
@@ -221,7 +222,8 @@ class Job:
                         self.attempt.task_id or self.rid, self.attempt.number)
             return
         try:
-            ctx.write(lambda s: lifecycle.fail_write(s, self.attempt, entry.write_error))
+            used = (usage or {}).get("total_tokens")
+            ctx.write(lambda s: lifecycle.fail_write(s, self.attempt, entry.write_error, used))
         except Fenced:
             pass
 
@@ -309,6 +311,7 @@ def _claim_and_run(ctx: WorkerContext, task_id: str, model: str, engine) -> None
 
 def _run_claimed(ctx: WorkerContext, claimed, points: dict, engine) -> None:
     task_id = claimed.task.id
+    job = None
     try:
         job = Job(ctx, claimed.attempt, claimed.response, claimed.sequence(), engine)
         job.created_at, job.points, job.rank = claimed.task.created_at, points, claimed.task.virtual_finish
@@ -329,15 +332,17 @@ def _run_claimed(ctx: WorkerContext, claimed, points: dict, engine) -> None:
     except EngineStopped:
         raise  # the task stays with its attempt: the drain or the next boot hands it on
     except Exception as exc:  # noqa: BLE001 - a bug must not leave a claimed task unfinished forever
+        # What the attempt used, for its fair share (lifecycle.hand_on): unknown before its first token.
+        used = job.response.input_tokens + job.output_tokens if job is not None and job.started else None
         if isinstance(exc, EngineLost) or engine.dead or not ctx.engine_ok.is_set():
             crashed = isinstance(exc, EngineLost) and exc.prefilling
             hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed",
-                    unstarted_again=True, crashed_after=ctx.settings.max_attempts if crashed else None)
+                    unstarted_again=True, crashed_after=ctx.settings.max_attempts if crashed else None, used=used)
             return
         log.exception("task %s failed unexpectedly", task_id)
         error = problem("generation_failed", "The worker failed on this task; the error is logged")
         try:
-            ctx.write(lambda s: lifecycle.fail_write(s, claimed.attempt, error))
+            ctx.write(lambda s: lifecycle.fail_write(s, claimed.attempt, error, used))
         except Fenced:
             pass
 

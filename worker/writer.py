@@ -47,6 +47,11 @@ class EventWriter:
         # Attempts a batch of which was refused: their later batches are dropped, never logged after the
         # gap the refused one left (the generation is being stopped; its outcome is written without us).
         self._refused: set[Attempt] = set()
+        # Attempts that ended (``forget``) with events still pending or in the commit running: what the
+        # commit leaves of them in the two maps above is removed at its end. Every end path forgets, so
+        # neither map outlives its attempt (fenced ones and engine losses never ask ``commit_lag``).
+        self._ended: set[Attempt] = set()
+        self._inflight: set[Attempt] = set()
         self._submitted = 0
         self._committed = 0
         self._stop = False
@@ -85,6 +90,15 @@ class EventWriter:
             self._refused.discard(attempt)
         return None if lag is None else tuple(lag)
 
+    def forget(self, attempt: Attempt) -> None:
+        """The attempt ended, whichever way: nothing about it is kept (now, or once its events in the
+        writer's hands are committed or refused)."""
+        with self._cond:
+            self._lags.pop(attempt, None)
+            self._refused.discard(attempt)
+            if attempt in self._since or attempt in self._inflight:
+                self._ended.add(attempt)
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -116,6 +130,7 @@ class EventWriter:
                 pending, self._pending = self._pending, []
                 since, self._since = self._since, {}
                 upto = self._submitted
+                self._inflight = set(since)
             grouped: dict[Attempt, list[Event]] = defaultdict(list)
             for attempt, event in pending:
                 if attempt not in self._refused:
@@ -130,8 +145,17 @@ class EventWriter:
                     lag[0] += 1
                     lag[1] += now - since[attempt]
                     lag[2] = max(lag[2], now - since[attempt])
+                self._inflight = set()
+                self._drop_ended()
                 self._committed = upto
                 self._cond.notify_all()
+
+    def _drop_ended(self) -> None:
+        """(Under the lock.) Ended attempts with nothing left in the writer leave the maps."""
+        for attempt in [a for a in self._ended if a not in self._since]:
+            self._lags.pop(attempt, None)
+            self._refused.discard(attempt)
+            self._ended.discard(attempt)
 
     def _commit(self, grouped: dict[Attempt, list[Event]]) -> list[Attempt]:
         """Log what is still fenced in; return the attempts whose batches were committed."""
