@@ -23,7 +23,18 @@ def create_app(settings: Settings | None = None) -> Flask:
     from api.live import Hub, fd_budget
     from api.ratelimit import AuthFailures, RateLimiter, StreamSlots
     from api.services.idempotency import Claims
-    from api.views import chat, dashboard, events, health, metrics, models, responses, tasks, workers
+    from api.views import (
+        chat,
+        dashboard,
+        events,
+        health,
+        metrics,
+        models,
+        realtime,
+        responses,
+        tasks,
+        workers,
+    )
 
     settings = settings or get_settings()
     engine = make_engine(settings.db_url)
@@ -55,7 +66,8 @@ def create_app(settings: Settings | None = None) -> Flask:
                         spec.id, spec.checkpoint, exc)
     problems.init_app(app)
     auth.init_app(app)
-    for module in (health, metrics, models, responses, chat, tasks, events, openapi, workers, dashboard):
+    for module in (health, metrics, models, responses, chat, realtime, tasks, events,
+                   openapi, workers, dashboard):
         app.register_blueprint(module.bp)
     _end_streams_on_sigterm(app.extensions["lmsp"].hub)
     return app

@@ -107,6 +107,11 @@ def json_body():
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise LMSPError("invalid_request", "The body is not valid UTF-8") from None
+    return json_object(text, settings)
+
+
+def json_object(text: str, settings):
+    """A request's JSON object from its text (a body, or a WebSocket message) within the limits."""
     try:
         body = json.loads(text, parse_constant=_reject_constant, parse_int=_integer,
                           parse_float=_number, object_pairs_hook=_object)

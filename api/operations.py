@@ -123,10 +123,10 @@ def sse_answer(description: str, media: str) -> Answer:
 
 
 # -- problems -----------------------------------------------------------------------------------
-TITLES = {400: "Bad request", 401: "Unauthorized", 403: "Forbidden", 404: "Not found", 409: "Conflict",
-          410: "Gone", 413: "Payload too large", 415: "Unsupported media type", 422: "Unprocessable content",
-          414: "URI too long", 429: "Too many requests", 431: "Request header fields too large",
-          500: "Server error", 503: "Service unavailable"}
+TITLES = {400: "Bad request", 401: "Unauthorized", 403: "Forbidden", 404: "Not found", 405: "Method not allowed",
+          409: "Conflict", 410: "Gone", 413: "Payload too large", 415: "Unsupported media type",
+          422: "Unprocessable content", 414: "URI too long", 429: "Too many requests",
+          431: "Request header fields too large", 500: "Server error", 503: "Service unavailable"}
 RETRY = {429, 503}
 PREPARE_ERRORS = (400, "invalid_request", "unsupported_capability", "context_length_exceeded")  # validation.prepare
 BODY_ERRORS = ((413, "payload_too_large", "Body larger than the limit (default 1 MiB)"),

@@ -182,6 +182,16 @@ def create_direct(session: Session, response: Response) -> Response:
     return response
 
 
+def create_warmed(session: Session, response: Response) -> Response:
+    """A response of WebSocket mode's ``generate: false``: its context only, finished as it is made (no
+    worker, no output, no events logged), so that a later turn can continue it."""
+    response.status, response.output = R.COMPLETED, []
+    response.usage = {"input_tokens": response.input_tokens, "output_tokens": 0,
+                      "total_tokens": response.input_tokens}
+    session.add(response)
+    return response
+
+
 # -- the final event ----------------------------------------------------------------------------
 def _final(session: Session, response_id: str, status: R, *, first_seq: int | None = None, emitted=(),
            output=None, usage=None, error=None, logged: bool = True) -> list[Event]:

@@ -94,6 +94,13 @@ class Settings(BaseSettings):
     follower_heartbeat_seconds: Interval = 15.0  # an idle SSE follower's keep-alive (a vanished one is seen at once)
     stream_auth_recheck_seconds: Interval = 5.0  # how often an open stream checks its token is not revoked
     ws_ping_seconds: Interval = 10.0        # a WebSocket client that misses a pong for this long is dropped
+    # WebSocket mode of the Responses API (api/views/realtime.py): each connection holds an api thread (and a
+    # stream slot) for its life, plus one thread per lane while the lane generates.
+    ws_max_connection_seconds: Interval = 3600.0  # a connection is closed (1001) after this long; reconnect
+    ws_max_connections_per_principal: Count = 8   # per process
+    ws_max_lanes: Count = 4            # lanes (stream_id) of one connection with work queued or running
+    ws_max_queued: Count = 32          # response.create events of one connection waiting for their lane
+    ws_memory_responses: Count = 16    # finished responses a connection keeps for previous_response_id
     auth_failures_per_minute: int = 30   # bad tokens per client address before 429 (no database lookup)
     idempotency_heartbeat_seconds: Interval = 10.0  # an in-flight key unrefreshed for 3 beats is abandoned
     # Structured-output grammars (the constrained-decoding compile budget).

@@ -29,8 +29,10 @@ def _capability(spec: ModelSpec, name: str, what: str, param: str) -> None:
                         f"(capability {name})", param=param, capability=name)
 
 
-def prepare(session: Session, svc, principal: str, body) -> Prepared:
-    """``svc``: the api's Services (its registry and grammar gate)."""
+def prepare(session: Session, svc, principal: str, body, remembered=None) -> Prepared:
+    """``svc``: the api's Services (its registry and grammar gate); ``remembered``: a WebSocket
+    connection's finished responses by id (api/services/lanes.py), asked before storage for
+    previous_response_id."""
     req = parse(ResponseRequest, body)
     spec = svc.registry.get(req.model)
     if req.stream:
@@ -52,7 +54,7 @@ def prepare(session: Session, svc, principal: str, body) -> Prepared:
         check_budget(*constraint, svc.settings)
     if req.previous_response_id:
         _capability(spec, "conversations", "previous_response_id", "previous_response_id")
-        req = _continue(session, principal, req)
+        req = _continue(session, principal, req, remembered or {})
     if req.max_output_tokens and req.max_output_tokens > spec.max_output_tokens:
         raise LMSPError("invalid_request", f"max_output_tokens {req.max_output_tokens} is above the "
                         f"model's maximum {spec.max_output_tokens}", param="max_output_tokens")
@@ -88,9 +90,11 @@ def _constraint(req: ResponseRequest) -> tuple[dict, str] | None:
     return None
 
 
-def _continue(session: Session, principal: str, req: ResponseRequest) -> ResponseRequest:
-    """Prefix the input with the stored response's context and output."""
-    prev = lifecycle.stored_response(session, principal, req.previous_response_id)
+def _continue(session: Session, principal: str, req: ResponseRequest, remembered) -> ResponseRequest:
+    """Prefix the input with the previous response's context and output (any row-like object with
+    id, status, request and output)."""
+    prev = remembered.get(req.previous_response_id) or \
+        lifecycle.stored_response(session, principal, req.previous_response_id)
     if prev is None:
         raise LMSPError("response_not_found", f"No stored response {req.previous_response_id}",
                         param="previous_response_id")

@@ -73,6 +73,16 @@ def create_direct(svc: Services, principal: str, prepared: Prepared, before_comm
     return row.id
 
 
+def warm_direct(svc: Services, principal: str, prepared: Prepared) -> dict:
+    """WebSocket mode's ``generate: false``: a completed response without output whose id a later turn
+    continues; stored by the same rule as any response. Its object."""
+    row = _response_row(prepared, principal, R.COMPLETED, _stored(prepared))
+    with svc.sessions() as session:
+        lifecycle.create_warmed(session, row)
+        session.commit()
+        return response_object(row)
+
+
 def send_direct(svc: Services, queue: str, response_id: str, prompt_ids: list[int] | None = None,
                 logged: bool = False) -> None:
     """The message of a committed, queued direct response. One a broker fault loses is sent again by

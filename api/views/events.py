@@ -6,9 +6,6 @@ no api thread. Where the server cannot hand a socket over, an SSE stream is read
 thread instead (``follow``), with the same follower underneath.
 """
 
-import base64
-import binascii
-
 from flask import Blueprint, Response, request, stream_with_context
 
 from api import params
@@ -18,6 +15,7 @@ from api.handover import Handover, can_detach
 from api.live import SHUTDOWN_NOTE, ShuttingDown, follow, stream_error, ws_accept
 from api.operations import bare_answer, operation, ref, sse_answer
 from api.services.streams import ended_check, open_stream
+from api.websocket import check_handshake
 from common import events, wire
 from common.errors import LMSPError
 
@@ -70,6 +68,12 @@ def sse(task_id: str):
     task_id, response_id, after = _open(task_id)
     if request.method == "HEAD":  # the stream's headers and no stream (RFC 9110 9.3.2): nobody follows
         return Response(content_type=events.SSE_TYPE, headers=STREAM_HEADERS)
+    return follow_sse(task_id, response_id, after)
+
+
+def follow_sse(task_id: str, response_id: str, after: int) -> Response:
+    """The SSE answer that follows the events of a task whose stream may open (``open_stream``) after
+    ``after``: also a background response's (api/views/stored.py)."""
     if can_detach(request.environ):
         return _hand_over(task_id, response_id, after, ws=False, status=200,
                           headers={"Content-Type": events.SSE_TYPE, **STREAM_HEADERS})
@@ -119,17 +123,7 @@ def sse(task_id: str):
 def ws(task_id: str):
     # Access first (404, 403, 410 ...), then the handshake: every refusal is an HTTP problem document.
     task_id, response_id, after = _open(task_id)
-    key = request.headers.get("Sec-WebSocket-Key", "")
-    try:
-        nonce = base64.b64decode(key.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError):
-        nonce = b""
-    if len(nonce) != 16:
-        raise LMSPError("invalid_request", "Sec-WebSocket-Key must be 16 bytes in base64 (RFC 6455 4.1)",
-                        param="Sec-WebSocket-Key")
-    if request.headers.get("Sec-WebSocket-Version") != "13":
-        raise LMSPError("invalid_request", "Only WebSocket version 13 is spoken here",
-                        param="Sec-WebSocket-Version", headers={"Sec-WebSocket-Version": "13"})
+    key = check_handshake()
     if not can_detach(request.environ):
         raise LMSPError("invalid_request", "WebSockets need the api's own server (lmsp serve); follow "
                         "the events over SSE at .../events")

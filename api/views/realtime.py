@@ -1,0 +1,105 @@
+"""WebSocket mode of the Responses API: ``GET /lmsp/v1/responses`` upgraded (the OpenAI SDK's
+``client.responses.connect()``), with flask-sock. A connection reads and writes for its whole life, so
+it holds its api thread (and a stream slot, as a direct stream does), plus a thread per lane at work
+(api/services/lanes.py); the fan-out thread of task followers (api/live.py) is not involved.
+
+Everything that can refuse a connection is checked before the handshake, so a refusal is a problem
+document with its HTTP status; after it, errors are ``error`` events and the socket stays open.
+"""
+
+import time
+
+from flask import Blueprint, current_app, g, request
+from flask_sock import Sock
+
+from api.auth import check_scope, hold_stream, principal, still_authorized
+from api.extensions import services
+from api.operations import bare_answer, operation
+from api.ratelimit import StreamSlots
+from api.services.lanes import Connection, error_event
+from api.websocket import check_handshake
+from common import wire
+from common.errors import LMSPError
+
+bp = Blueprint("realtime", __name__, url_prefix="/lmsp/v1/responses")
+sock = Sock()
+SCOPE = "responses:write"
+SLOTS = "lmsp.realtime"  # app.extensions: the connections per principal (a StreamSlots)
+GOING_AWAY, POLICY_VIOLATION = 1001, 1008  # RFC 6455 7.4.1
+
+
+@bp.record_once
+def _setup(state) -> None:
+    settings = state.app.extensions["lmsp"].settings
+    # simple_websocket (under flask-sock) pings, so a vanished client is noticed; a message larger than a
+    # request body closes the socket (1009).
+    state.app.config["SOCK_SERVER_OPTIONS"] = {"ping_interval": settings.ws_ping_seconds,
+                                               "max_message_size": settings.max_body_bytes}
+    state.app.extensions[SLOTS] = StreamSlots(settings.api_threads, settings.ws_max_connections_per_principal)
+
+
+@bp.before_request
+def _admit() -> None:
+    """Scope, handshake, server and caps, before the 101."""
+    check_scope(SCOPE)
+    check_handshake()
+    if "gunicorn.socket" not in request.environ and "werkzeug.socket" not in request.environ:
+        raise LMSPError("invalid_request", "WebSocket mode needs the api's own server (lmsp serve); use "
+                        "POST /lmsp/v1/responses with stream: true")
+    g.release_socket = current_app.extensions[SLOTS].acquire(principal())
+    hold_stream()  # the connection holds this thread for its life
+
+
+@bp.teardown_request
+def _release(_exc) -> None:
+    release = g.pop("release_socket", None)
+    if release is not None:
+        release()
+
+
+def connect(ws) -> None:
+    svc = services()
+    settings = svc.settings
+    authorized = still_authorized()
+    conn = Connection(svc, principal(), ws.send)
+    deadline = time.monotonic() + settings.ws_max_connection_seconds
+    try:
+        while not conn.closed.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ws.close(GOING_AWAY, f"A connection lives {settings.ws_max_connection_seconds:g} s; reconnect")
+                return
+            if not authorized():
+                conn.send(error_event(LMSPError("unauthorized", "The token was revoked").to_problem()))
+                ws.close(POLICY_VIOLATION, "The token was revoked")
+                return
+            message = ws.receive(timeout=min(left, settings.stream_auth_recheck_seconds))
+            if message is not None:
+                conn.receive(message)
+    finally:
+        conn.close()
+
+
+EVENTS = {"x-lmsp-events": {name: {"$ref": f"#/components/schemas/{model.__name__}"}
+                            for name, model in wire.EVENTS.items()}}
+
+sock.route("", bp=bp)(operation(
+    "responsesWebSocket", "WebSocket mode: create responses over one connection", tag="responses", scope=SCOPE,
+    answers={101: bare_answer(
+        "Switching protocols. The client sends `response.create` events: `{\"type\": \"response.create\", "
+        "...}` with the fields of createResponse's body, flat, without `stream` or `background`, plus "
+        "`stream_id` (a lane; none: the default lane) and `generate` (false: a completed response without "
+        "output, to continue from). A lane runs its responses one at a time, first in first out, beside "
+        "the other lanes (at most LMSP_WS_MAX_LANES at work). The server sends each response's events as "
+        "createResponse streams them, one JSON text message each (the SSE data, with the lane's "
+        "`stream_id`); a refused or failed request is `{\"type\": \"error\", \"error\": {problem, "
+        "message}, \"status\": n}`. `previous_response_id` reads the connection's own finished responses, "
+        "then stored ones. Closing the socket aborts its generations. The server closes with 1001 after "
+        "LMSP_WS_MAX_CONNECTION_SECONDS and with 1008 when the token is revoked.",
+        models=tuple(dict.fromkeys(wire.EVENTS.values())), **EVENTS)},
+    errors=[(400, "invalid_request", "A bad WebSocket handshake (param names the header)"),
+            (405, "method_not_allowed", "Not an upgrade request: a plain GET is not allowed here"),
+            (429, "rate_limited", "Too many connections (LMSP_WS_MAX_CONNECTIONS_PER_PRINCIPAL) or streams "
+             "open for this principal on this server")],
+    description="The OpenAI SDK's `client.responses.connect()` (`base_url` ending in /lmsp/v1)."
+)(connect))
