@@ -9,23 +9,61 @@ sets it for a CPU device, common/registry.py) a reader that would spin waits on 
 socket instead, as vLLM's own readers do after a second idle, for at most ``POLL_MS`` at a time:
 vLLM's idle path can miss a notification and then parks for up to 5 s (measured: one or two such
 stalls in a 128-token run without the cap), and its caller reads the queue's flag after every wait.
-Once idle for a second, a reader waits as vLLM's does.
+Once idle for a second, a reader waits as vLLM's does. The patch checks the shape it patches first
+(vLLM's internals move between versions); any other shape leaves vLLM as shipped, with one warning.
 """
 
+import inspect
+import logging
 import os
 import time
 
 from common.registry import ENGINE_NO_SPIN
 
 POLL_MS = 2  # while steps come: a missed notification costs at most this, a needless wake-up microseconds
+log = logging.getLogger("lmsp.vllm_plugin")
+_warned = False
+
+
+def _fits(cls) -> str | None:
+    """Why ``SpinCondition`` is not the shape this patch was written for (vLLM 0.32), else None: a
+    ``wait(self, timeout_ms)`` and the reader's ``last_read`` and ``busy_loop_s`` set in ``__init__``."""
+    wait = getattr(cls, "wait", None)
+    if wait is None:
+        return "it has no wait()"
+    if list(inspect.signature(wait).parameters) != ["self", "timeout_ms"]:
+        return f"its wait{inspect.signature(wait)} takes other arguments"
+    init = inspect.getsource(cls.__init__)
+    missing = [name for name in ("self.last_read", "self.busy_loop_s") if name not in init]
+    return f"its readers keep no {', '.join(missing)}" if missing else None
 
 
 def register() -> None:
+    """Called by vLLM outside any ``try``: whatever it finds, it never raises (an engine that cannot
+    start because of a plugin would fail its worker's every load); vLLM as shipped, with one warning."""
     if os.environ.get(ENGINE_NO_SPIN) != "1":
         return  # not a CPU engine this service started
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+        why = _fits(SpinCondition)
+    except Exception as exc:  # noqa: BLE001 - an import or a source vLLM moved or reshaped
+        SpinCondition, why = None, f"{type(exc).__name__}: {exc}"
+    if why is not None:
+        _warn(why)
+        return
+    _patch(SpinCondition)
 
-    spin_wait = SpinCondition.wait
+
+def _warn(why: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("the CPU no-spin patch is off: vLLM's shared-memory queue is not the one it was written "
+                    "for (%s); its readers spin as vLLM ships them", why)
+
+
+def _patch(cls) -> None:
+    spin_wait = cls.wait
     if getattr(spin_wait, "no_spin", False):
         return  # vLLM may load plugins more than once in a process
 
@@ -40,4 +78,4 @@ def register() -> None:
             self.last_read = last
 
     wait.no_spin = True
-    SpinCondition.wait = wait
+    cls.wait = wait
