@@ -17,6 +17,7 @@ from flask import Response, request
 from api.auth import hold_stream, principal
 from api.extensions import request_session, services
 from api.live import follow, stream_error
+from api.operations import BODY_ERRORS, PREPARE_ERRORS
 from api.problems import problem_response
 from api.services import idempotency
 from api.services.validation import Prepared, prepare
@@ -25,6 +26,12 @@ from common import events
 from common.errors import TRANSIENT
 
 Event = tuple[int, str, str]  # (seq, name, data JSON)
+# The problems of every direct request, in its endpoint's operation (api/operations.py) with its own.
+ERRORS = (PREPARE_ERRORS, (409, "idempotency_key_in_use"), *BODY_ERRORS, (422, "idempotency_key_reused"),
+          (500, "server_error", "generation_failed", "server_restarted",
+           "A synchronous request whose generation failed answers the response's problem"),
+          (429, "rate_limited", "Too many open streams (or requests waiting for a model) for this principal "
+           "or this server"))
 GONE_CHECK_SECONDS = 0.2  # how often a waiting request looks at its client's socket
 
 
@@ -46,11 +53,13 @@ class Done:
     stream: bool
 
 
-def begin(body) -> Direct | Done:
-    """Validate ``body`` (a ``ResponseRequest``'s JSON) and start generating it for this request."""
+def begin(body, asked=None) -> Direct | Done:
+    """Validate ``body`` (a ``ResponseRequest``'s JSON) and start generating it for this request;
+    ``asked``: the body as the client sent it, when ``body`` is a translation (what a key is bound to)."""
     svc = services()
     who = principal()
-    key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path, body)
+    key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path,
+                               body if asked is None else asked)
     session = request_session()  # the one authentication opened; create_direct commits and closes it
     prepared = prepare(session, svc, who, body)
     hold_stream()  # the request holds this thread while the model generates

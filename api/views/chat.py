@@ -6,7 +6,7 @@ from api import direct
 from api.auth import streamed
 from api.body import json_body
 from api.chat_completions import DONE, ChatCompletion, ChatRequest, Chunks, finish, response_body, translated
-from api.operations import BODY_ERRORS, PREPARE_ERRORS, json_answer, media_answer, operation
+from api.operations import json_answer, media_answer, operation
 from common import events
 from common.errors import LMSPError
 
@@ -23,14 +23,7 @@ bp = Blueprint("chat", __name__, url_prefix="/lmsp/v1/chat")
         "when `stream_options.include_usage`, then `data: [DONE]`; a generation that fails mid-stream "
         "sends `data: {\"error\": ...}`.", ChatCompletion,
         also=media_answer("", events.SSE_TYPE))},
-    errors=[PREPARE_ERRORS,
-            (404, "model_not_found"), (409, "idempotency_key_in_use"), *BODY_ERRORS,
-            (422, "idempotency_key_reused"),
-            (500, "server_error", "generation_failed", "server_restarted",
-             "A synchronous request whose generation failed answers the response's problem"),
-            (429, "rate_limited", "Too many open streams (or requests waiting for a model) for this principal "
-             "or this server"),
-            (503, "model_unavailable", "No live worker serves the model")],
+    errors=[*direct.ERRORS, (404, "model_not_found"), (503, "model_unavailable", "No live worker serves the model")],
     description="The request is translated into a response request (messages of every role -> input items: "
                 "`developer` is a system message, an assistant's `tool_calls` are function calls, a `tool` "
                 "message their output) and runs exactly as `POST /responses` does: the same validation, "
@@ -42,9 +35,10 @@ bp = Blueprint("chat", __name__, url_prefix="/lmsp/v1/chat")
                 "content parts other than text, and any other field.",
     params=["IdempotencyKey"], body=ChatRequest)
 def create():
-    chat, body = response_body(json_body())
+    asked = json_body()
+    chat, body = response_body(asked)
     try:
-        run = direct.begin(body)
+        run = direct.begin(body, asked)
     except LMSPError as exc:
         raise translated(exc, chat) from None
     include_usage = chat.stream_options is not None and chat.stream_options.include_usage

@@ -6,7 +6,7 @@ from api import direct
 from api.auth import principal, streamed
 from api.body import json_body
 from api.extensions import services
-from api.operations import BODY_ERRORS, PREPARE_ERRORS, json_answer, operation, sse_answer
+from api.operations import json_answer, operation, sse_answer
 from api.services.work import stored_response
 from common import events, wire
 from common.protocol import ResponseRequest
@@ -23,13 +23,8 @@ bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
         "2, ... from response.created to the one final event. A direct stream cannot be resumed.", wire.Response,
         also=sse_answer("", "Server-sent events: `id:`, `event:` and a JSON `data:` line per event; "
                             "`: keep-alive` comments in between"))},
-    errors=[PREPARE_ERRORS,
+    errors=[*direct.ERRORS,
             (404, "model_not_found", "response_not_found", "response_not_found names previous_response_id"),
-            (409, "idempotency_key_in_use"), *BODY_ERRORS, (422, "idempotency_key_reused"),
-            (500, "server_error", "generation_failed", "server_restarted",
-             "A synchronous request whose generation failed answers the response's problem"),
-            (429, "rate_limited", "Too many open streams (or requests waiting for a model) for this principal "
-             "or this server"),
             (503, "model_unavailable", "No live worker serves the model")],
     description="An Idempotency-Key replays the stored outcome (status and body) of a finished request: the "
                 "response object, or the problem it failed with; a finished stream's replay is a stream again, "

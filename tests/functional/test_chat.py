@@ -156,6 +156,9 @@ def test_chat_through_the_sdk_errors_auth_and_idempotency(stack, alice, model_id
     first, again = alice.post(CHAT, body, headers=key), alice.post(CHAT, body, headers=key)
     assert first.status_code == again.status_code == 200 and first.json() == again.json()
     assert first.json()["object"] == "chat.completion"
+    # the key is bound to the chat body as sent, not to its translation (`user` is not translated)
+    other = alice.post(CHAT, {**body, "user": "someone-else"}, headers=key)
+    assert other.status_code == 422 and other.json()["code"] == "idempotency_key_reused"
     streamed = {**body, "stream": True}
     key = {"Idempotency-Key": uuid.uuid4().hex}
     first, again = alice.post(CHAT, streamed, headers=key), alice.post(CHAT, streamed, headers=key)
