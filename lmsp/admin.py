@@ -110,7 +110,10 @@ def models_import(file: Path, model_id: str, reasoning_parser, tool_call_parser)
 @click.option("--all", "every", is_flag=True, help="Every model of the registry.")
 @click.option("--tokenizer-only", is_flag=True,
               help="Only what the api needs (tokenizer, chat template, config): no weights.")
-def models_pull(model_ids: tuple[str, ...], every: bool, tokenizer_only: bool) -> None:
+@click.option("--keep-going", is_flag=True,
+              help="Try every model even when one fails; list the failures and exit 0 (the api serves "
+                   "the models it has and answers 503 model_unavailable for the others).")
+def models_pull(model_ids: tuple[str, ...], every: bool, tokenizer_only: bool, keep_going: bool) -> None:
     """Bring models' files onto this machine: a Hugging Face repo id into the shared cache (HF_HOME;
     resumable, HF_TOKEN for gated repos, HF_HUB_OFFLINE=1 uses the cache alone), a GGUF file converted.
     Prints each model's local folder; the api and the workers load from that same folder."""
@@ -126,13 +129,22 @@ def models_pull(model_ids: tuple[str, ...], every: bool, tokenizer_only: bool) -
         except LMSPError as exc:
             fail(f"{exc.detail.split(';')[0]} in {get_settings().models_path}; "
                  "`lmsp models list --registry` shows them")
+    failed = []
     for spec in specs:
         say(f"{spec.id}: {source_of(spec).describe()}")
         try:
             folder = pull(spec, tokenizer_only=tokenizer_only, progress=say)
         except CheckpointMissing as exc:
-            fail(str(exc))
+            if not keep_going:
+                fail(str(exc))
+            say(f"not pulled: {exc}")
+            failed.append(spec.id)
+            continue
         click.echo(f"{spec.id}\t{folder}")
+    if failed:
+        say(f"{len(failed)} of {len(specs)} models not pulled ({', '.join(failed)}): requests for them get "
+            "503 model_unavailable until a pull succeeds; the lines above say what to fix, `lmsp doctor` "
+            "lists what is missing")
 
 
 @models.command("fetch-default", help=f"Fetch and import the default model, {DEFAULT_MODEL}.")

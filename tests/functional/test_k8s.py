@@ -101,6 +101,19 @@ def config(docs) -> dict:
     return named(docs, "ConfigMap", "lmsp-env")["data"]
 
 
+def mounted_at(template: dict, path: str) -> dict:
+    """The volume a pod template's first container mounts at ``path``."""
+    (mount,) = [m for m in template["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == path]
+    return next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+
+
+def registry_of(docs, workload: str = "Deployment") -> list[dict]:
+    """The models the api (or the workers) read: the ConfigMap its pods mount at /etc/lmsp."""
+    template = of(docs, workload)[0]["spec"]["template"]
+    name = mounted_at(template, "/etc/lmsp")["configMap"]["name"]
+    return yaml.safe_load(named(docs, "ConfigMap", name)["data"]["models.yaml"])["models"]
+
+
 # -- schemas ------------------------------------------------------------------------------------------
 def strict(schema):
     """A CRD's schema as `kubectl apply`'s strict field validation applies it: an unknown field is an error."""
@@ -123,7 +136,7 @@ def crd_schema(name: str) -> dict:
 CRDS = {("keda.sh/v1alpha1", "ScaledObject"): crd_schema("keda-scaledobject.json"),
         ("keda.sh/v1alpha1", "TriggerAuthentication"): crd_schema("keda-triggerauthentication.json"),
         ("monitoring.coreos.com/v1", "ServiceMonitor"): crd_schema("servicemonitor.json")}
-OPTIONAL = ("datastores-external", "gpu-nodes", "servicemonitor")
+OPTIONAL = ("datastores-external", "gpu-nodes", "servicemonitor", "api-model-cache")
 
 
 def validate(doc: dict) -> None:
@@ -161,6 +174,8 @@ def test_every_manifest_is_valid_against_its_schema(tmp_path):
         k = yaml.safe_load((folder / "kustomization.yaml").read_text())
         included |= {(folder / r).resolve().relative_to(K8S) for r in k.get("resources", [])
                      if (folder / r).is_file()}
+        included |= {(folder / f).resolve().relative_to(K8S) for g in k.get("configMapGenerator", [])
+                     for f in g.get("files", []) if f.endswith(".yaml")}
     assert yaml_files == included, "a manifest no kustomization applies"
     components = {p.name for p in (K8S / "components").iterdir()}
     listed = {Path(c).name for c in yaml.safe_load((K8S / "kustomization.yaml").read_text())["components"]}
@@ -249,19 +264,19 @@ def test_every_lmsp_variable_is_one_the_code_reads(rendered):
 
 
 def test_models_each_have_workers_with_their_queue_and_probes(rendered):
-    registry = yaml.safe_load(named(rendered, "ConfigMap", "lmsp-models")["data"]["models.yaml"])["models"]
-    models = {m["id"] for m in registry}
+    models = {m["id"] for m in registry_of(rendered)}
+    assert registry_of(rendered) == registry_of(rendered, "StatefulSet")
     env = config(rendered)
     served = set()
     for sts in of(rendered, "StatefulSet"):
         container = sts["spec"]["template"]["spec"]["containers"][0]
         argv = container["command"]
         assert argv[:2] == ["lmsp", "worker"]
-        model = argv[argv.index("--model") + 1]
-        assert model in models and model not in served
-        served.add(model)
+        ids = argv[argv.index("--model") + 1].split(",")   # one model, or a set (loaded on demand)
+        assert set(ids) <= models and not set(ids) & served
+        served |= set(ids)
         (pull,) = sts["spec"]["template"]["spec"]["initContainers"]
-        assert pull["command"] == ["lmsp", "models", "pull", model] and pull["image"] == container["image"]
+        assert pull["command"] == ["lmsp", "models", "pull", *ids] and pull["image"] == container["image"]
         assert {m["mountPath"]: m["name"] for m in pull["volumeMounts"]}[env["LMSP_HOME"]] == "model-cache"
         assert {"name": "LMSP_WORKER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} \
             in container["env"]   # the stable pod name is the worker id
@@ -279,13 +294,40 @@ def test_models_each_have_workers_with_their_queue_and_probes(rendered):
         scaled = [s for s in of(rendered, "ScaledObject") if s["spec"]["scaleTargetRef"]["name"] == sts["metadata"]["name"]]
         assert len(scaled) == 1 and scaled[0]["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
         (trigger,) = scaled[0]["spec"]["triggers"]  # Postgres alone: not the broker's lists
-        assert trigger["type"] == "postgresql" and f"model = '{model}'" in trigger["metadata"]["query"]
+        query = trigger["metadata"]["query"]
+        assert trigger["type"] == "postgresql"
+        assert query.count("'") == 2 * len(ids) + 8 and all(f"'{m}'" in query for m in ids)  # every model, no other
+        assert (f"model = '{ids[0]}'" if len(ids) == 1 else "model IN (") in query
         auth = named(rendered, "TriggerAuthentication", trigger["authenticationRef"]["name"])
         for ref in auth["spec"]["secretTargetRef"]:
             assert ref["key"] in env_file(SECRETS[ref["name"]])
         # cooldownPeriod acts only when scaling to 0; above that the HPA behavior paces a scale-down
         assert scaled[0]["spec"]["minReplicaCount"] >= 1 and "cooldownPeriod" not in scaled[0]["spec"]
     assert served == models, "a registered model with no worker StatefulSet"
+
+
+def test_a_worker_of_several_models_renders_with_a_scaler_counting_the_set(tmp_path):
+    """k8s/models/multi as its comment says to use it: the models added to k8s/models.yaml, the folder
+    listed; the checks of every model's workers above then hold for the set too."""
+    k8s = k8s_copy(tmp_path)
+    registry = yaml.safe_load((k8s / "models.yaml").read_text())
+    overlay = yaml.safe_load((k8s / "models" / "multi" / "kustomization.yaml").read_text())
+    worker_patch = yaml.safe_load(overlay["patches"][0]["patch"])
+    ids = worker_patch[1]["value"][3].split(",")
+    assert len(ids) >= 2
+    registry["models"] += [{**registry["models"][0], "id": m, "memory_gib": 8} for m in ids]
+    (k8s / "models.yaml").write_text(yaml.safe_dump(registry))
+    kustomization = k8s / "kustomization.yaml"
+    kustomization.write_text(kustomization.read_text().replace(
+        "  - models/smollm2-135m\n", "  - models/smollm2-135m\n  - models/multi\n"))
+    docs = build(k8s)
+    for doc in docs:
+        validate(doc)
+    test_models_each_have_workers_with_their_queue_and_probes(docs)
+    sts = named(docs, "StatefulSet", "lmsp-worker-multi")["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"] for e in sts["env"]} >= {"LMSP_WORKER_MEMORY_BUDGET_GIB", "LMSP_WORKER_ID"}
+    (scaled,) = [s for s in of(docs, "ScaledObject") if s["spec"]["scaleTargetRef"]["name"] == "lmsp-worker-multi"]
+    assert scaled["spec"]["fallback"]["replicas"] == scaled["spec"]["maxReplicaCount"]
 
 
 def test_probes_name_routes_that_answer(rendered):
@@ -325,7 +367,7 @@ def test_pods_run_non_root_read_only_with_pinned_images(rendered):
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
             assert sc["capabilities"]["drop"] == ["ALL"]
             assert re.fullmatch(r"[\w./-]+:\d[\w.-]*", c["image"]) and not c["image"].endswith(":latest")
-            if workload["kind"] != "Job" and c["name"] != "pull":   # writable: LMSP_HOME and /tmp only
+            if workload["kind"] != "Job" and c in spec["containers"]:   # writable: LMSP_HOME and /tmp only
                 assert "readinessProbe" in c and "livenessProbe" in c
                 mounts = {m["mountPath"] for m in c["volumeMounts"]}
                 assert {"/tmp", config(rendered)["LMSP_HOME"]} <= mounts
@@ -368,7 +410,7 @@ def test_api_drains_and_gpu_knobs_render(rendered, tmp_path):
     assert pre[0] == "sleep" and int(pre[1]) + 10 < api["terminationGracePeriodSeconds"]  # + gunicorn's 10 s
     env = config(rendered)
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    (model,) = yaml.safe_load(named(rendered, "ConfigMap", "lmsp-models")["data"]["models.yaml"])["models"]
+    (model,) = registry_of(rendered)
     assert model["engine"]["dtype"] == "auto" and model["engine"]["enforce_eager"] is False  # CUDA graphs on
     (sts,) = of(with_components(tmp_path, "gpu-nodes"), "StatefulSet")
     pod = sts["spec"]["template"]["spec"]
@@ -508,3 +550,135 @@ def test_dashboard_queries_only_metrics_and_labels_that_exist():
             assert set(re.findall(r"\blmsp_\w+", variable["definition"])) <= set(exposed)
     families = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in exposed}
     assert families == {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}, "a metric with no panel"
+
+
+# -- day-one operations (issue 35) ---------------------------------------------------------------------------
+def k8s_copy(tmp: Path) -> Path:
+    out = tmp / "k8s"
+    shutil.copytree(K8S, out, ignore=shutil.ignore_patterns("*.env"))
+    return out
+
+
+def add_model_as_the_readme_says(k8s: Path, model: str, name: str, repo: str) -> None:
+    """README "Add a model": an entry in k8s/models.yaml; a copy of models/smollm2-135m with its suffix,
+    label, model id and query's model changed; the folder listed in k8s/kustomization.yaml."""
+    registry = yaml.safe_load((k8s / "models.yaml").read_text())
+    registry["models"].append({**registry["models"][0], "id": model, "checkpoint": repo})
+    (k8s / "models.yaml").write_text(yaml.safe_dump(registry))
+    shutil.copytree(k8s / "models" / "smollm2-135m", k8s / "models" / name)
+    overlay = k8s / "models" / name / "kustomization.yaml"
+    overlay.write_text(overlay.read_text().replace("smollm2-135m", name).replace("smollm2:135m", model))
+    kustomization = k8s / "kustomization.yaml"
+    kustomization.write_text(kustomization.read_text().replace(
+        "  - models/smollm2-135m\n", f"  - models/smollm2-135m\n  - models/{name}\n"))
+
+
+def test_a_model_added_as_the_readme_says_rolls_the_api_and_no_worker(tmp_path, rendered):
+    """The api reads the registry once, at start: it serves a new model only if its pods restart. The
+    registry's ConfigMap name carries a hash of its content, so `kubectl apply -k` gives the api's pod
+    template a new volume and the Deployment rolls; the running GPU workers' templates do not change."""
+    readme = (ROOT / "README.md").read_text()
+    assert "add it to `k8s/models.yaml`" in readme and "copy `k8s/models/smollm2-135m`" in readme
+    k8s = k8s_copy(tmp_path)
+    add_model_as_the_readme_says(k8s, "qwen3:8b", "qwen3-8b", "Qwen/Qwen3-8B")
+    after = build(k8s)
+    api_before = named(rendered, "Deployment", "lmsp-api")["spec"]["template"]
+    api_after = named(after, "Deployment", "lmsp-api")["spec"]["template"]
+    assert api_before != api_after, "the api's pods would not restart"
+    name_before = mounted_at(api_before, "/etc/lmsp")["configMap"]["name"]
+    name_after = mounted_at(api_after, "/etc/lmsp")["configMap"]["name"]
+    assert name_before != name_after and name_after.startswith("lmsp-models-")
+    assert {m["id"] for m in registry_of(after)} == {"smollm2:135m", "qwen3:8b"}
+    old = named(rendered, "StatefulSet", "lmsp-worker-smollm2-135m")["spec"]["template"]
+    assert named(after, "StatefulSet", "lmsp-worker-smollm2-135m")["spec"]["template"] == old
+    new = named(after, "StatefulSet", "lmsp-worker-qwen3-8b")["spec"]["template"]["spec"]
+    assert new["containers"][0]["command"] == ["lmsp", "worker", "--model", "qwen3:8b"]
+    assert {m["id"] for m in registry_of(after, "StatefulSet")} == {"smollm2:135m", "qwen3:8b"}
+    # The api's registry as the api loads it.
+    from common.registry import Registry
+    (tmp_path / "models.yaml").write_text(named(after, "ConfigMap", name_after)["data"]["models.yaml"])
+    assert "qwen3:8b" in Registry.load(tmp_path / "models.yaml").models
+
+
+def test_datastores_policy_selects_postgres_and_redis_only_and_namespaces_are_parameters(tmp_path):
+    (policy,) = build(K8S / "datastores")
+    selector = policy["spec"]["podSelector"]
+    assert selector, "it would select (and close) every pod of the namespace"
+    for name in ("postgresql", "redis"):
+        assert matches(selector, {"app.kubernetes.io/name": name})
+    for other in ("pgbackrest", "postgres-exporter", "cloudnative-pg", "redis-sentinel-operator"):
+        assert not matches(selector, {"app.kubernetes.io/name": other})
+    # The namespace's own pods (replicas, operators, backups) keep their connections.
+    assert any({"podSelector": {}} in rule["from"] and "ports" not in rule for rule in policy["spec"]["ingress"])
+    k8s = k8s_copy(tmp_path)
+    kustomization = k8s / "datastores" / "kustomization.yaml"
+    kustomization.write_text(kustomization.read_text().replace("keda_namespace=keda", "keda_namespace=autoscale")
+                             .replace("monitoring_namespace=monitoring", "monitoring_namespace=observe")
+                             .replace("lmsp_namespace=lmsp", "lmsp_namespace=llm"))
+    (changed,) = build(k8s / "datastores")
+    namespaces = {s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                  for rule in changed["spec"]["ingress"] for s in rule["from"] if "namespaceSelector" in s}
+    assert namespaces == {"autoscale", "observe", "llm"}
+    top = k8s / "kustomization.yaml"
+    top.write_text(top.read_text().replace("monitoring_namespace=monitoring", "monitoring_namespace=observe")
+                   .replace("datastores_namespace=lmsp-data", "datastores_namespace=db"))
+    rendered = build(k8s)
+    worker = named(rendered, "NetworkPolicy", "lmsp-worker")
+    assert worker["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == \
+        {"kubernetes.io/metadata.name": "observe"}
+    egress = named(rendered, "NetworkPolicy", "lmsp-datastores-egress")["spec"]["egress"][0]["to"]
+    assert egress == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "db"}}}]
+    assert "lmsp-params" not in {d["metadata"]["name"] for d in rendered}   # parameters, never applied
+
+
+def test_caches_stay_in_each_pod_and_the_api_needs_no_shared_volume(rendered):
+    env = config(rendered)
+    for workload, template in pods(rendered):
+        spec = template["spec"]
+        for c in spec["containers"] + spec.get("initContainers", []):
+            home = {**env, **{e["name"]: e.get("value") for e in c.get("env", [])}}.get("HOME")
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            where = max((p for p in mounts if home.startswith(p)), key=len, default=None)
+            assert where and "emptyDir" in next(v for v in spec["volumes"] if v["name"] == mounts[where]), \
+                f"{workload['metadata']['name']}/{c['name']}: HOME {home} is not the pod's own"
+    api = named(rendered, "Deployment", "lmsp-api")["spec"]["template"]["spec"]
+    assert not [v for v in api["volumes"] if "persistentVolumeClaim" in v], "the api would need the RWX claim"
+    (pull,) = api["initContainers"]
+    assert pull["command"][:3] == ["lmsp", "models", "pull"] and "--tokenizer-only" in pull["command"]
+    assert "--keep-going" in pull["command"], "one model the api cannot fetch would keep it down"
+    claim = named(rendered, "PersistentVolumeClaim", "lmsp-model-cache")
+    assert claim["spec"]["storageClassName"]
+    assert "k8s/model-cache.yaml (storageClassName" in (ROOT / "README.md").read_text()
+    from tests.unit.test_deploy import env_of, stages
+    for target in ("cpu", "gpu"):
+        image = env_of(target, stages())
+        assert not image["HOME"].startswith(image["LMSP_HOME"]), "caches would land on the model volume"
+        assert image["VLLM_NO_USAGE_STATS"] == "1" and image["DO_NOT_TRACK"] == "1"
+    assert env["VLLM_NO_USAGE_STATS"] == "1"
+
+
+def test_hub_egress_is_public_https_only(rendered):
+    private = ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16"]
+    for policy in of(rendered, "NetworkPolicy"):
+        for rule in policy["spec"].get("egress", []):
+            if any(p["port"] == 443 for p in rule.get("ports", [])):
+                assert rule.get("to"), f"{policy['metadata']['name']}: port 443 to any address"
+                for peer in rule["to"]:
+                    assert set(private) <= set(peer["ipBlock"].get("except", []))
+
+
+def test_every_lmsp_command_in_the_manifests_is_one_the_cli_takes(rendered, tmp_path):
+    from click.testing import CliRunner
+
+    from lmsp.cli import cli  # with every module's commands registered
+    seen = set()
+    for docs in (rendered, with_components(tmp_path, *OPTIONAL)):
+        for _, template in pods(docs):
+            spec = template["spec"]
+            for c in spec["containers"] + spec.get("initContainers", []):
+                argv = c["command"]
+                if argv[0] == "lmsp" and tuple(argv) not in seen:
+                    seen.add(tuple(argv))
+                    done = CliRunner().invoke(cli, [*argv[1:], "--help"])
+                    assert done.exit_code == 0, f"{argv}: {done.output}"
+    assert len(seen) >= 5
