@@ -79,8 +79,8 @@ class Settings(BaseSettings):
     rate_limit_burst: int = 100
     max_queued_tasks_per_principal: int = 1000
     max_queue_depth: int = 10000
-    # Requests that hold an api thread while they wait (direct responses, long polls, and event
-    # streams where the socket cannot be handed over: api/live.py).
+    # Requests that hold an api thread while they wait (direct responses, long polls, WebSocket-mode
+    # connections, and event streams where the socket cannot be handed over: api/live.py).
     stream_reserved_threads: int = 16   # per process, kept for health probes and short requests
     max_streams_per_principal: int = 32  # per process
     # Followers of task events handed to the process's fan-out thread: memory, not a thread, each.
@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
     api_workers: int = Field(2, ge=1)
-    api_threads: int = Field(256, ge=1)  # one per open event stream (gthread)
+    api_threads: int = Field(256, ge=1)  # one per direct stream or WebSocket-mode connection (gthread)
     # Operations: logs, the worker's /readyz + /metrics port, the drain on SIGTERM.
     log_format: Literal["text", "json"] = "text"  # "json": one object a line with task, response and worker ids
     worker_metrics_host: str = "127.0.0.1"

@@ -153,6 +153,11 @@ class Connection:
         if thread is not None:
             thread.start()
 
+    def idle(self) -> bool:
+        """No lane at work."""
+        with self.lock:
+            return not self.lanes
+
     def close(self) -> None:
         """The socket is closed (or closing): abort what generates, drop what waits, let the lanes end."""
         self.closed.set()

@@ -7,10 +7,12 @@ Everything that can refuse a connection is checked before the handshake, so a re
 document with its HTTP status; after it, errors are ``error`` events and the socket stays open.
 """
 
+import logging
 import time
 
 from flask import Blueprint, current_app, g, request
 from flask_sock import Sock
+from simple_websocket import ConnectionClosed
 
 from api.auth import check_scope, hold_stream, principal, still_authorized
 from api.extensions import services
@@ -19,13 +21,14 @@ from api.ratelimit import StreamSlots
 from api.services.lanes import Connection, error_event
 from api.websocket import check_handshake
 from common import wire
-from common.errors import LMSPError
+from common.errors import LMSPError, problem
 
+log = logging.getLogger("lmsp.api")
 bp = Blueprint("realtime", __name__, url_prefix="/lmsp/v1/responses")
 sock = Sock()
 SCOPE = "responses:write"
 SLOTS = "lmsp.realtime"  # app.extensions: the connections per principal (a StreamSlots)
-GOING_AWAY, POLICY_VIOLATION = 1001, 1008  # RFC 6455 7.4.1
+GOING_AWAY, POLICY_VIOLATION, INTERNAL_ERROR, SERVICE_RESTART = 1001, 1008, 1011, 1012  # RFC 6455 7.4.1, IANA
 
 
 @bp.record_once
@@ -65,6 +68,9 @@ def connect(ws) -> None:
     deadline = time.monotonic() + settings.ws_max_connection_seconds
     try:
         while not conn.closed.is_set():
+            if svc.hub.closing.is_set() and conn.idle():  # SIGTERM: what runs may finish within the grace
+                ws.close(SERVICE_RESTART, "The server restarts; reconnect")
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 ws.close(GOING_AWAY, f"A connection lives {settings.ws_max_connection_seconds:g} s; reconnect")
@@ -76,6 +82,12 @@ def connect(ws) -> None:
             message = ws.receive(timeout=min(left, settings.stream_auth_recheck_seconds))
             if message is not None:
                 conn.receive(message)
+    except ConnectionClosed:
+        raise  # the client went away (flask-sock's to catch)
+    except Exception:  # noqa: BLE001 - past the 101 an HTTP answer cannot be sent: an error event and 1011
+        log.exception("WebSocket connection failed")
+        conn.send(error_event(problem("server_error", "The connection failed; reconnect")))
+        ws.close(INTERNAL_ERROR, "The connection failed; reconnect")
     finally:
         conn.close()
 
@@ -95,7 +107,7 @@ sock.route("", bp=bp)(operation(
         "`stream_id`); a refused or failed request is `{\"type\": \"error\", \"error\": {problem, "
         "message}, \"status\": n}`. `previous_response_id` reads the connection's own finished responses, "
         "then stored ones. Closing the socket aborts its generations. The server closes with 1001 after "
-        "LMSP_WS_MAX_CONNECTION_SECONDS and with 1008 when the token is revoked.",
+        "LMSP_WS_MAX_CONNECTION_SECONDS, with 1008 when the token is revoked and with 1012 when it restarts.",
         models=tuple(dict.fromkeys(wire.EVENTS.values())), **EVENTS)},
     errors=[(400, "invalid_request", "A bad WebSocket handshake (param names the header)"),
             (405, "method_not_allowed", "Not an upgrade request: a plain GET is not allowed here"),
