@@ -164,7 +164,7 @@ def heartbeat(ctx: WorkerContext, stopped: bool = False, boot: bool = False) -> 
         return  # a worker that cannot log events must look dead, so its tasks are taken over
     try:
         with transaction(ctx.sessions) as session:
-            liveness.heartbeat(session, ctx.worker_id, list(ctx.hosts.slots), ctx.started_at,
+            liveness.heartbeat(session, ctx.worker_id, ctx.hosts.servable(), ctx.started_at,
                                running=ctx.hosts.running(), ready=ctx.ready(), loaded=ctx.hosts.loaded(),
                                state=ctx.state(), tokens_per_second=ctx.tokens.per_second(),
                                stopped=stopped, boot=boot)

@@ -17,6 +17,14 @@ cannot keep another out for ever; but a model just loaded serves everything that
 its load, as one batch, before it yields: with work for two models queued, they take turns in batches
 rather than a load per request. One load or unload at a time: each takes the machine anyway, and two
 engines half-loaded would hold two engines' memory.
+
+A load that fails (invariant 15: counted, bounded, reported) is tried again after ``retry_after``
+seconds, and only into free memory: no loaded model is unloaded for a load that has not been shown to
+work (one that failed and has not loaded since); a retry that would need room counts as failed too.
+After ``max_failures`` failures in a row the model is unservable here: its waiters and every later
+request get ``Unservable`` naming the cause (the runner fails such tasks ``model_unavailable``), and the
+worker stops announcing it (``servable``), so ``GET /models`` shows it unavailable unless another
+worker serves it.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ class Closed(Exception):
     """The worker is stopping: no model is loaded or handed out any more."""
 
 
+class Unservable(Exception):
+    """The model's load failed too often here; the message is the cause."""
+
+
 @dataclass(eq=False)
 class Slot:
     spec: ModelSpec
@@ -49,11 +61,17 @@ class Slot:
     last_used: float = 0.0        # monotonic
     loaded_at: float = 0.0        # monotonic: requests waiting since before it are its batch
     loads: int = 0
+    failures: int = 0             # loads failed in a row (0: none since its last load worked)
+    cause: str | None = None      # why the last one failed
+    retry_at: float = 0.0         # monotonic: not tried again before
+    broken: bool = False          # failed max_failures times: unservable here
 
 
 class Residency:
-    def __init__(self, slots: list[Slot], *, budget_gib: float, keep_alive: float, on_change=None):
+    def __init__(self, slots: list[Slot], *, budget_gib: float, keep_alive: float, on_change=None,
+                 max_failures: int = 3, retry_after: float = 10.0):
         self.slots = {slot.spec.id: slot for slot in slots}
+        self.max_failures, self.retry_after = max_failures, retry_after
         self.pinned = len(slots) == 1  # one model: loaded at boot, kept for life
         self.budget, self.keep_alive = budget_gib, keep_alive
         self.on_change = on_change or (lambda: None)  # the loaded set changed (heartbeat, interactive lane)
@@ -71,6 +89,11 @@ class Residency:
         """The models holding memory here: loaded, or being unloaded."""
         with self._cond:
             return [m for m, slot in self.slots.items() if slot.engine is not None or m in self._stopping]
+
+    def servable(self) -> list[str]:
+        """The models this worker serves: all but those whose load failed too often (its row needs one:
+        a worker none of whose models can load still names its first)."""
+        return [m for m, slot in self.slots.items() if not slot.broken] or [self.primary.spec.id]
 
     def running(self, model_id: str | None = None) -> int:
         slots = self.slots.values() if model_id is None else [self.slots[model_id]]
@@ -91,6 +114,25 @@ class Residency:
                 self._cond.notify_all()
 
     def _acquire(self, slot: Slot, stop: threading.Event):
+        """The engine, once loaded: a load that fails is waited out and tried again (``_plan``), until the
+        model is unservable."""
+        while True:
+            try:
+                engine, doomed = self._turn(slot, stop)
+            except Unservable:
+                self.on_change()  # the worker's row stops announcing the model
+                raise
+            if engine is not None:
+                return engine
+            try:
+                return self._load(slot, doomed)
+            except Closed:
+                raise
+            except Exception:  # noqa: BLE001 - counted by _load; the next turn retries it or says Unservable
+                continue
+
+    def _turn(self, slot: Slot, stop: threading.Event):
+        """(engine, None) when it is loaded and may take work; (None, victims) when this thread loads it."""
         with self._cond:
             since = time.monotonic()
             if not slot.waiting:
@@ -100,25 +142,26 @@ class Residency:
                 while True:
                     if self._closed or stop.is_set():
                         raise Closed()
+                    if slot.broken:
+                        raise Unservable(slot.cause)
                     target, leaving = self._plan()
                     if slot.engine is not None and not slot.engine.dead and (
                             slot not in leaving or since <= slot.loaded_at):
                         slot.users += 1
                         slot.last_used = time.monotonic()
-                        return slot.engine
+                        return slot.engine, None
                     if slot is target and not any(s.users for s in leaving):
                         self._changing = slot
-                        doomed = [(victim, self._detach(victim)) for victim in leaving]
-                        break
+                        return None, [(victim, self._detach(victim)) for victim in leaving]
                     self._cond.wait(0.5)
             finally:
                 slot.waiting -= 1
-        return self._load(slot, doomed)
 
     def _plan(self) -> tuple[Slot | None, list[Slot]]:
         """The cold model to load next (waited for longest) and the loaded ones it needs gone, least
         recently used first; a model larger than the budget is loaded alone."""
-        cold = [s for s in self.slots.values() if s.engine is None and s.waiting]
+        now = time.monotonic()
+        cold = [s for s in self.slots.values() if s.engine is None and s.waiting and not s.broken and s.retry_at <= now]
         if self._changing is not None or not cold:
             return None, []
         target = min(cold, key=lambda s: s.waiting_since)
@@ -130,7 +173,22 @@ class Residency:
                 break
             leaving.append(slot)
             free += slot.gib
+        if leaving and target.failures:  # not shown to work: nobody is unloaded for it
+            self._failed(target, f"{target.cause} (not retried: it would need loaded models unloaded)")
+            return None, []
         return target, leaving
+
+    def _failed(self, slot: Slot, cause: str) -> None:
+        """(Under the lock.) A load of ``slot`` failed: counted; at the bound the model is unservable."""
+        slot.failures += 1
+        slot.cause = f"loading {slot.spec.id} failed {slot.failures} times in a row; the last: {cause}"
+        slot.retry_at = time.monotonic() + self.retry_after
+        if slot.failures >= self.max_failures:
+            slot.broken = True
+            log.error("%s: not loaded again on this worker; its requests fail", slot.cause)
+        else:
+            log.warning("%s; tried again in %g s", slot.cause, self.retry_after)
+        self._cond.notify_all()
 
     def _load(self, slot: Slot, doomed: list[tuple[Slot, object]]):
         engine = None
@@ -141,11 +199,15 @@ class Residency:
             log.info("loading %s", slot.spec.id)
             engine = slot.load()
             log.info("loaded %s in %.1f s", slot.spec.id, time.monotonic() - began)  # tests/bench/models.py reads it
+        except Exception as exc:
+            with self._cond:
+                self._failed(slot, f"{type(exc).__name__}: {exc}"[:500])
+            raise
         finally:
             with self._cond:
                 self._changing = None
                 if engine is not None and not self._closed:
-                    slot.engine, slot.loads = engine, slot.loads + 1
+                    slot.engine, slot.loads, slot.failures = engine, slot.loads + 1, 0
                     slot.users += 1
                     slot.last_used = slot.loaded_at = time.monotonic()
                 self._cond.notify_all()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from common import events, lifecycle, logs, timeline
+from common import events, lifecycle, liveness, logs, timeline
 from common.broker import BACKGROUND, dispatch
 from common.errors import problem
 from common.events import Sequence
@@ -28,7 +28,7 @@ from worker import metrics
 from worker.context import WorkerContext
 from worker.gate import GenParams
 from worker.output import OutputBuilder
-from worker.residency import Closed
+from worker.residency import Closed, Unservable
 
 log = logging.getLogger("lmsp.runner")
 TASK_PRIORITY, DIRECT_PRIORITY = 1, 0  # vLLM serves lower values first: people at a screen go first
@@ -291,6 +291,27 @@ def _run_task(ctx: WorkerContext, task_id: str, model: str) -> None:
             _claim_and_run(ctx, task_id, model, engine)
     except Closed:
         raise EngineStopped() from None
+    except Unservable as exc:
+        _fail_unservable(ctx, task_id, model, str(exc))
+
+
+def _fail_unservable(ctx: WorkerContext, task_id: str, model: str, cause: str) -> None:
+    """A model whose load failed too often here (worker/residency.py): the message's claim takes the
+    queue's next task of it and fails it ``model_unavailable`` naming the cause, unless another live
+    worker serves the model (then the sweeper's re-send reaches it)."""
+    with ctx.sessions() as session:
+        if liveness.live_workers(session, ctx.settings.lease_seconds).get(model, 0):
+            return
+    error = problem("model_unavailable", f"The model cannot be loaded: {cause}")
+
+    def tx(session):
+        claimed, publish = lifecycle.claim(session, task_id, ctx.worker_id, model=model)
+        if claimed is None:
+            return None, publish
+        log.warning("task %s failed: %s is unservable", claimed.task.id, model)
+        return claimed.task.id, {**publish, **lifecycle.fail_write(session, claimed.attempt, error, 0)}
+
+    ctx.write(tx)
 
 
 def _claim_and_run(ctx: WorkerContext, task_id: str, model: str, engine) -> None:

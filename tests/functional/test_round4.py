@@ -66,3 +66,48 @@ def test_the_writers_maps_forget_attempts_that_end_without_finishing(sessions, p
     finally:
         ctx.stopping.set()
         ctx.writer.stop()
+
+
+def test_a_task_of_a_model_whose_load_always_fails_ends_failed_naming_the_cause(sessions, pg_url):  # noqa: F811
+    """Defect 2: the task stayed queued for ever (its message re-sent, each one retrying the load); now,
+    after the bound (3 failures), it fails model_unavailable with the load's error in its detail."""
+    import uuid
+
+    from common.registry import ModelSpec
+    from common.settings import Settings
+    from tests import factories
+    from tests.functional.test_harden import MODEL, Recorder
+    from tests.harness import model_entry
+    from worker.context import WorkerContext
+    from worker.residency import Residency, Slot
+    from worker.writer import EventWriter
+
+    broken = f"smollm2:broken{uuid.uuid4().hex[:6]}"
+
+    def load_broken():
+        raise RuntimeError("CUDA out of memory (simulated)")
+    hosts = Residency([Slot(ModelSpec(**model_entry(MODEL)), 1.0, lambda: ScriptedEngine("hi")),
+                       Slot(ModelSpec(**model_entry(broken)), 1.0, load_broken)],
+                      budget_gib=2.0, keep_alive=-1, retry_after=0.01)
+    ctx = WorkerContext(settings=Settings(database_url=pg_url), worker_id=f"w-{time.monotonic_ns()}",
+                        sessions=sessions, celery=None, publisher=Recorder(), writer=None, hosts=hosts)
+    ctx.writer = EventWriter(sessions, ctx.publisher, ctx.lose, ctx.stopping)
+    hosts.load(MODEL, ctx.stopping)
+    ctx.engine_ok.set()
+    with sessions() as session:
+        who = factories.principal(session, "round4")
+        response = lifecycle.new_response(principal=who, model=broken, request={
+            "model": broken, "input": [{"type": "message", "role": "user", "content": "hi"}]}, input_tokens=5,
+            max_tokens=64, status=lifecycle.R.IN_PROGRESS, stored=False, previous_response_id=None)
+        task = lifecycle.new_task(response, "retry")
+        lifecycle.create_task(session, response, task, commit=True)
+    try:
+        runner.run_task(ctx, task.id, broken)
+        with sessions() as session:
+            row = session.get(Task, task.id)
+        assert row.status == "failed" and row.error["code"] == "model_unavailable", (row.status, row.error)
+        assert "failed 3 times" in row.error["detail"] and "CUDA out of memory" in row.error["detail"]
+        assert hosts.servable() == [MODEL] and hosts.loaded() == [MODEL]
+    finally:
+        ctx.stopping.set()
+        ctx.writer.stop()
