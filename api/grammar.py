@@ -12,6 +12,15 @@ constrain to an ``anyOf`` of the tools) is compiled by the worker's grammar back
 3. a compile budget per principal, so one tenant's slow schemas cannot stall the others': one
    compile at a time (a helper its timeout killed is replaced on its turn) and compile-seconds
    per minute, past which its new schemas are ``429 rate_limited`` with Retry-After.
+
+When the helpers fail (the spawner does not answer, a helper gives no answer while it loads a
+tokenizer), the gate is down for that checkpoint (or for all) for a backoff (1 s, doubling up to
+``OUTAGE_MAX`` s), then tried again by the next schema. While it is down a schema request is ``503
+overloaded`` with Retry-After: never accepted unchecked, since what the gate protects (the workers'
+shared compile threads) is what an unchecked schema could stall. A tokenizer a helper answers it
+cannot load, and a backend that is not installed at all (an api-only install), are not outages: only
+the static limits apply then (for a tokenizer, until the backoff's retry), each such request counted
+(``bypassed``) and the condition logged.
 """
 
 import hashlib
@@ -29,6 +38,8 @@ from common.settings import Settings
 
 log = logging.getLogger("lmsp.grammar")
 CACHE_SIZE = 4096
+OUTAGE_MAX = 60.0
+EVERY = ""  # the outage key of the whole backend (else a checkpoint's)
 
 
 def check_budget(schema, param: str, settings: Settings) -> None:
@@ -118,6 +129,18 @@ class CompileBudget:
         return max(1, math.ceil(leaves + self.WINDOW - now))
 
 
+class Outage:
+    """A failure of the gate's helpers for a key, retried after a backoff that doubles per failure."""
+
+    def __init__(self):
+        self.failures, self.until, self.why, self.bypass = 0, 0.0, "", False
+
+    def failed(self, why: str, bypass: bool) -> None:
+        self.failures += 1
+        self.until = time.monotonic() + min(OUTAGE_MAX, 2.0 ** (self.failures - 1))
+        self.why, self.bypass = why, bypass
+
+
 class GrammarGate:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -126,12 +149,14 @@ class GrammarGate:
         self._pool = HelperPool(settings.grammar_helpers)
         self._budget = CompileBudget(settings.grammar_compile_seconds_per_minute,
                                      settings.grammar_compile_timeout_seconds)
-        self._skipped: set[str] = set()  # checkpoints whose tokenizer the helpers cannot load
-        self._unavailable = False  # xgrammar is not installed: only the static limits apply
+        self._outages: dict[str, Outage] = {}  # EVERY or a checkpoint -> its current outage
+        self._absent = False  # xgrammar is not installed: only the static limits apply
+        self.bypassed = 0  # schemas accepted on the static limits alone (absent backend, unloadable tokenizer)
 
     def check(self, schema: dict, param: str, checkpoint: str, principal: str) -> None:
         """Whether the backend compiles ``schema`` (within its size limits: ``check_budget`` first)."""
-        if self._unavailable or checkpoint in self._skipped:
+        if self._absent or self._down(checkpoint):
+            self.bypassed += 1
             return
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         key = hashlib.sha256(f"{checkpoint}\n{text}".encode()).hexdigest()
@@ -143,34 +168,62 @@ class GrammarGate:
                 self._budget.release(principal)
                 raise
             self._compile(helper, key, text, checkpoint, principal)
+        if key not in self._results:
+            self._down(checkpoint)  # it failed just now: 503, or the static limits
+            self.bypassed += 1
+            return
         why = self._results.get(key)
         if why is not None:
             raise LMSPError("invalid_request", f"{param} cannot be used for structured output: {why}",
                             param=param)
 
+    def _down(self, checkpoint: str) -> bool:
+        """True: the schema is let through on the static limits; 503 while the helpers are failing."""
+        now = time.monotonic()
+        for outage in (self._outages.get(EVERY), self._outages.get(checkpoint)):
+            if outage is not None and outage.until > now:
+                if outage.bypass:
+                    return True
+                raise LMSPError("overloaded", "The structured-output schema checker is failing "
+                                f"({outage.why}); retry shortly", retry_after=max(1, math.ceil(outage.until - now)))
+        return False
+
+    def _failed(self, key: str, why: str, bypass: bool = False) -> None:
+        outage = self._outages.setdefault(key, Outage())
+        outage.failed(why, bypass)
+        log.warning("grammar helpers failed for %s (%s, %d in a row): %s for %.0f s, then tried again",
+                    key or "every checkpoint", why, outage.failures,
+                    "only static schema limits apply" if bypass else "schema requests get 503", outage.until -
+                    time.monotonic())
+
     def _compile(self, helper: Helper, key: str, text: str, checkpoint: str, principal: str) -> None:
         """On ``helper``, which is then given back; the principal's turn ends when it is in the pool
         again, so a helper its timeout killed is replaced on its own turn, not on another's."""
         timeout = self.settings.grammar_compile_timeout_seconds
+        unavailable = False
         try:
             if not helper.alive:
                 helper.start()
             why = helper.load(checkpoint)
-            if why is not None:
-                log.warning("grammar helper cannot load the tokenizer of %s (%s); only static schema "
-                            "limits apply to it", checkpoint, why)
-                self._skipped.add(checkpoint)
+            if why is not None:  # "no answer": the helper died or overran; else the tokenizer's error
+                self._failed(checkpoint, f"its tokenizer: {why}", bypass=why != "no answer")
             elif key not in self._results:
+                self._outages.pop(EVERY, None)
+                self._outages.pop(checkpoint, None)
                 started = time.monotonic()
                 answer = helper.ask({"schema": text, "checkpoint": checkpoint}, timeout)
                 self._budget.charge(principal, time.monotonic() - started)
                 self._remember(key, f"the grammar does not compile within {timeout:g} s" if answer is None
                                else answer["error"])
         except Unavailable as exc:
-            log.warning("grammar helper unavailable (%s); only static schema limits apply", exc)
-            self._unavailable = True
+            unavailable = True
+            if exc.absent:
+                log.warning("the grammar backend cannot run here (%s); only static schema limits apply", exc)
+                self._absent = True
+            else:
+                self._failed(EVERY, str(exc))
         finally:
-            if helper.alive or self._unavailable:
+            if helper.alive or unavailable:
                 self._pool.give(helper)
                 self._budget.release(principal)
             else:

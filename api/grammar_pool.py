@@ -43,7 +43,12 @@ def _readable(fd, timeout: float) -> bool:
 
 
 class Unavailable(Exception):
-    """The backend cannot run here (xgrammar is not installed): only the static limits apply."""
+    """The backend does not answer. ``absent``: it cannot run here at all (xgrammar is not installed:
+    only the static limits apply); else a moment's failure (the spawner died, or stuck), tried again."""
+
+    def __init__(self, why: str, absent: bool = False):
+        super().__init__(why)
+        self.absent = absent
 
 
 class Spawner:
@@ -88,7 +93,7 @@ class Spawner:
             hello = None
         if not hello or not hello.get("ready"):
             self.stop()
-            raise Unavailable((hello or {}).get("error", "no answer"))
+            raise Unavailable((hello or {}).get("error", "no answer"), absent=bool(hello))  # hello: an ImportError
         self.control.settimeout(FORK_SECONDS)
 
     def stop(self) -> None:
