@@ -167,8 +167,11 @@ class Connection:
                 self.queued -= len(waiting)
                 waiting.clear()
             threads = list(self.threads)
-        for response_id in running:
-            abort_direct(self.svc, response_id)
+        for response_id in running:  # at once; each lane's stream would abort it within a heartbeat too
+            try:
+                abort_direct(self.svc, response_id)
+            except Exception:  # noqa: BLE001 - the database is away: the lane's own abort tries again
+                log.warning("WebSocket closed: abort of %s failed", response_id, exc_info=True)
         for thread in threads:
             thread.join(JOIN_SECONDS)
 

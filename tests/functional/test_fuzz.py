@@ -48,8 +48,9 @@ def problem_documents(ctx, response, case):
 def operations(schema):
     for result in schema.get_all_operations():
         operation = result.ok()
-        # The WebSocket route speaks only after an upgrade handshake, which an HTTP fuzzer cannot make.
-        if not operation.path.endswith("/ws"):
+        # The WebSocket routes (answer 101) speak only after an upgrade handshake, which an HTTP fuzzer
+        # cannot make.
+        if "101" not in operation.definition.raw["responses"]:
             yield operation
 
 
