@@ -441,9 +441,10 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
     makes it a takeover: it wins only while the owner's lease is still expired by the database's clock.
     ``unstarted_again``: a task still ``loading`` (no token generated, nothing that could have had an
     effect) is run again whatever its policy: its engine died under it, the service did not restart.
-    ``crashed_after``: the engine died while prefilling this task, which may be what killed it (a poison
-    request): counted, and the task fails ``generation_failed`` at that many crashes instead of going
-    round every worker of its model forever, failing others' running tasks each time.
+    ``crashed_after``: the engine died while this task was in it (prefilling or decoding), so it may be
+    what killed it (a poison request): counted, and the task fails ``generation_failed`` at that many
+    crashes instead of going round every worker of its model forever, failing others' running tasks each
+    time. After its first crash a task runs alone (worker/apart.py), so an innocent one finishes.
     ``used``: the tokens the attempt used, when its worker knows (else estimated): an end settles the
     task's fair-share charge, a ``retry`` starting over is charged what it threw away.
     Returns (whether a broker message must be sent for the task, events to publish).
@@ -466,8 +467,8 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
         fairshare.settle(session, task_id, used)
         return False, _task_final(session, task, R.CANCELLED)
     if crashed_after is not None and task.crashes >= crashed_after:
-        error = problem("generation_failed", f"The engine died {task.crashes} times while starting this "
-                        "request (the limit, LMSP_MAX_ATTEMPTS); it is not run again")
+        error = problem("generation_failed", f"The engine died {task.crashes} times while running this "
+                        "request, alone after the first (the limit, LMSP_MAX_ATTEMPTS); it is not run again")
         transition(session, task_id, FAILED, only_from=[LOADING, RUNNING], error=error)
         fairshare.settle(session, task_id, used)
         return False, _task_final(session, task, R.FAILED, error=error)

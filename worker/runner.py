@@ -24,7 +24,7 @@ from common.protocol import ResponseRequest
 from common.registry import queue_name
 from common.states import LIVE, QUEUED, TASK_OUTCOME, R
 from common.tables import Response, Task
-from worker import metrics
+from worker import apart, metrics
 from worker.context import WorkerContext
 from worker.gate import GenParams
 from worker.output import OutputBuilder
@@ -43,12 +43,12 @@ class EngineStopped(Exception):
 
 
 class EngineLost(Exception):
-    """The engine died under this request; the attempt is handed on, not failed. ``prefilling``: it died
-    during this request's first step, so the request itself may have killed it."""
+    """The engine died under this request; the attempt is handed on, not failed. ``suspect``: the request
+    was in the engine then (prefilling or decoding), so it may be what killed it (worker/apart.py)."""
 
-    def __init__(self, prefilling: bool = False):
+    def __init__(self, suspect: bool = False):
         super().__init__()
-        self.prefilling = prefilling
+        self.suspect = suspect
 
 
 class Job:
@@ -92,11 +92,16 @@ class Job:
         mode = {"none": "text", "auto": "tool_auto"}.get(tool_mode(self.req), "tool_forced")
         return OutputBuilder(self.rid, mode, reasoning=self.spec.reasoning_parser is not None)
 
-    def run(self, builder: OutputBuilder, prior_output_tokens: int = 0, prompt_ids: list[int] | None = None) -> None:
+    def run(self, builder: OutputBuilder, prior_output_tokens: int = 0, prompt_ids: list[int] | None = None,
+            alone: bool = False) -> None:
         """``prompt_ids``: the prompt as the api tokenized it (a direct request's message), used instead
-        of rendering and tokenizing it again when nothing is to be continued."""
+        of rendering and tokenizing it again when nothing is to be continued. ``alone``: a suspect of an
+        engine crash, run with nothing else in the engine (worker/apart.py)."""
         try:
-            self._run(builder, prior_output_tokens, prompt_ids)
+            with apart.of(self.engine).turn(alone, self.ctx.stopping):
+                self._run(builder, prior_output_tokens, prompt_ids)
+        except apart.Stopped:
+            raise EngineStopped() from None
         finally:
             self.ctx.release(self.attempt)
             self.ctx.writer.forget(self.attempt)  # every end, fenced and engine losses too
@@ -122,7 +127,7 @@ class Job:
             if ctx.stopping.is_set():
                 raise EngineStopped() from exc
             if engine.dead or isinstance(exc, engine.dead_errors):
-                raise EngineLost(engine.failed_prefilling(entry.request_id)) from exc
+                raise EngineLost(self.started or engine.failed_prefilling(entry.request_id)) from exc
             log.exception("generation failed for %s", self.rid)
             error = problem("generation_failed", f"The engine failed: {type(exc).__name__}")
         if self.started:
@@ -349,14 +354,14 @@ def _run_claimed(ctx: WorkerContext, claimed, points: dict, engine) -> None:
                 # numbered as a client counts them (the fencing token also counts hand-overs).
                 runs = 2 + sum(1 for _, name, _ in claimed.log if name == events.ATTEMPT_STARTED)
                 job.emit([(events.ATTEMPT_STARTED, events.attempt_started(job.rid, runs))])
-        job.run(builder, prior_tokens)
+        job.run(builder, prior_tokens, alone=claimed.task.crashes > 0)
     except EngineStopped:
         raise  # the task stays with its attempt: the drain or the next boot hands it on
     except Exception as exc:  # noqa: BLE001 - a bug must not leave a claimed task unfinished forever
         # What the attempt used, for its fair share (lifecycle.hand_on): unknown before its first token.
         used = job.response.input_tokens + job.output_tokens if job is not None and job.started else None
         if isinstance(exc, EngineLost) or engine.dead or not ctx.engine_ok.is_set():
-            crashed = isinstance(exc, EngineLost) and exc.prefilling
+            crashed = isinstance(exc, EngineLost) and exc.suspect
             hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed",
                     unstarted_again=True, crashed_after=ctx.settings.max_attempts if crashed else None, used=used)
             return

@@ -111,3 +111,101 @@ def test_a_task_of_a_model_whose_load_always_fails_ends_failed_naming_the_cause(
     finally:
         ctx.stopping.set()
         ctx.writer.stop()
+
+
+class PoisonEngine(ScriptedEngine):
+    """Runs requests side by side, 12 tokens each; a prompt that says POISON kills the engine at its third
+    decode step, and every request in it fails with it. Counts who was in the engine beside a poison."""
+
+    dead_errors = (EngineDied,)
+
+    def __init__(self):
+        super().__init__("")
+        import threading
+        self.lock, self.inside, self.deaths, self.beside_poison, self.gather = threading.Lock(), set(), 0, [], 0
+
+    def generate(self, request_id, prompt, params):
+        poison = "POISON" in prompt
+        with self.lock:
+            self.inside.add(request_id)
+            deaths = self.deaths
+        try:
+            deadline = time.monotonic() + 3
+            while len(self.inside) < self.gather and time.monotonic() < deadline:
+                time.sleep(0.01)  # the first round: all in one batch
+            for i in range(12):
+                time.sleep(0.05)
+                with self.lock:
+                    if self.deaths != deaths:
+                        raise EngineDied()
+                    if poison and i == 2:
+                        self.beside_poison.append(len(self.inside) - 1)
+                        self.deaths += 1
+                        raise EngineDied()
+                yield Delta(text="a", token_ids=1, finish_reason="length" if i == 11 else None, prompt_tokens=5)
+        finally:
+            with self.lock:
+                self.inside.discard(request_id)
+
+    def failed_prefilling(self, request_id):
+        return False
+
+
+def _task(factory, text: str, on_restart: str) -> str:
+    from common import lifecycle as lc
+    from tests import factories
+    from tests.functional.test_harden import MODEL
+    with factory() as session:
+        who = factories.principal(session, "round4")
+        response = lc.new_response(principal=who, model=MODEL, request={
+            "model": MODEL, "input": [{"type": "message", "role": "user", "content": text}]}, input_tokens=5,
+            max_tokens=64, status=lc.R.IN_PROGRESS, stored=False, previous_response_id=None)
+        task = lc.new_task(response, on_restart)
+        lc.create_task(session, response, task, commit=True)
+    return task.id
+
+
+def test_a_request_that_kills_the_engine_in_decode_is_run_apart_and_capped(sessions, pg_url, tmp_path):  # noqa: F811
+    """Defect 4: a crash in decode is counted against every request that was in the engine; those run
+    alone next time, so the innocent one finishes and the poison kills only itself until the cap
+    (3 crashes) fails it. Before, a decode-time crash counted against nobody: the poison was re-run with
+    the others, killing them again, for ever."""
+    import threading
+
+    from common.broker import make_celery
+    from common.settings import Settings
+
+    engine = PoisonEngine()
+    ctx = worker_ctx(sessions, pg_url, engine)
+    ctx.celery = make_celery(Settings(home=tmp_path, database_url=pg_url))
+
+    def run(*task_ids):
+        threads = [threading.Thread(target=runner.run_task, args=(ctx, t)) for t in task_ids]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+
+    def row(task_id):
+        with sessions() as session:
+            return session.get(Task, task_id)
+    poison, innocent, bystander = (_task(sessions, "POISON", "retry"), _task(sessions, "hi", "retry"),
+                                   _task(sessions, "hi", "fail"))
+    try:
+        engine.gather = 3
+        run(poison, innocent, bystander)
+        engine.gather = 0
+        assert engine.beside_poison == [2]
+        assert (row(poison).crashes, row(innocent).crashes) == (1, 1)
+        assert row(bystander).status == "failed"  # its policy: it was running when the engine died
+        for _ in range(4):
+            if row(poison).status == "failed":
+                break
+            run(poison, innocent)
+        assert engine.beside_poison[1:] == [0, 0], engine.beside_poison  # apart after the first crash
+        assert row(innocent).status == "succeeded" and row(innocent).crashes == 1
+        failed = row(poison)
+        assert failed.status == "failed" and failed.crashes == 3 and "LMSP_MAX_ATTEMPTS" in failed.error["detail"]
+    finally:
+        ctx.stopping.set()
+        ctx.writer.stop()
