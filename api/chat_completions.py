@@ -60,7 +60,12 @@ class AssistantMessage(Strict):
     role: Literal["assistant"]
     content: Content | None = None
     tool_calls: list[ToolCall] | None = None
+    # What a completion's message carries besides, sent back with it in a history (an OpenAI server's
+    # too): output metadata the model does not read; an audio reply or a refusal cannot be rendered.
     refusal: None = None
+    annotations: list | None = None
+    audio: None = None
+    function_call: None = None
 
 
 class ToolMessage(Strict):

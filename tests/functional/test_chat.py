@@ -88,7 +88,7 @@ def test_chat_tool_round_trip(alice, model_id):
     # the round trip: the assistant's call and the tool's answer, read by the model
     answered = chat.chat.completions.create(
         model=model_id, tools=[WEATHER], tool_choice="none", max_tokens=30, temperature=0,
-        messages=[*question, choice.message.model_dump(exclude_none=True),
+        messages=[*question, choice.message,  # the SDK's own message object, sent back as it is
                   {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 17})}])
     assert answered.choices[0].message.content and answered.choices[0].finish_reason in ("stop", "length")
     alone = chat.chat.completions.create(model=model_id, messages=question, tools=[WEATHER], tool_choice="none",

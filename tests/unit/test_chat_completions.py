@@ -26,7 +26,7 @@ def test_messages_of_every_role_become_input_items():
         {"role": "developer", "content": "Be brief."},
         {"role": "system", "content": [{"type": "text", "text": "Sys"}]},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None,
+        {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None,
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         {"role": "assistant", "content": "It is sunny."}], "max_completion_tokens": 9, "stop": "x", "seed": 3,
