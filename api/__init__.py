@@ -32,6 +32,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         models,
         realtime,
         responses,
+        stored,
         tasks,
         workers,
     )
@@ -66,8 +67,8 @@ def create_app(settings: Settings | None = None) -> Flask:
                         spec.id, spec.checkpoint, exc)
     problems.init_app(app)
     auth.init_app(app)
-    for module in (health, metrics, models, responses, chat, realtime, tasks, events,
-                   openapi, workers, dashboard):
+    for module in (health, metrics, models, responses, stored, chat, realtime, tasks, events, openapi, workers,
+                   dashboard):
         app.register_blueprint(module.bp)
     _end_streams_on_sigterm(app.extensions["lmsp"].hub)
     return app

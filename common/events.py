@@ -4,6 +4,9 @@ import json
 
 CREATED = "response.created"
 ITEM_ADDED = "response.output_item.added"
+# A message's text part opens before its first delta (as OpenAI's API sends it): the OpenAI SDK's stream
+# helper appends each delta to the part at the delta's content_index, and fails without one.
+PART_ADDED = "response.content_part.added"
 TEXT_DELTA = "response.output_text.delta"
 REASONING_DELTA = "response.reasoning_summary_text.delta"
 ITEM_DONE = "response.output_item.done"
@@ -29,8 +32,26 @@ def dumps(data: dict) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
-def created(rid: str) -> dict:
-    return {"response_id": rid, "status": "in_progress"}
+def created(rid: str, response: dict | None = None) -> dict:
+    """``response``: the response object as GET would return it now (6.2), for clients such as the
+    OpenAI SDK that build their picture of the response from it. Only lifecycle events carry it (one
+    or two an event stream), never deltas: every frame's bytes cross Postgres, Redis and the api."""
+    data = {"response_id": rid, "status": "in_progress"}
+    if response is not None:
+        data["response"] = response
+    return data
+
+
+def started(obj: dict) -> dict:
+    """A response object as it was created: in progress, nothing generated yet."""
+    return {**obj, "status": "in_progress", "output": [], "usage": None, "error": None, "incomplete_details": None}
+
+
+def created_before(rid: str, closing: list[tuple[str, str]]) -> tuple[str, str]:
+    """``response.created`` for a stream that got nothing before ``closing`` (its final event, made
+    up by the api when the worker died first): its response as it was at the start."""
+    final = json.loads(closing[-1][1]).get("response")
+    return CREATED, dumps(created(rid, None if final is None else started(final)))
 
 
 class Sequence:
@@ -63,17 +84,29 @@ class Sequence:
         return batch
 
 
-def opening(rid: str) -> tuple[int, str, str]:
-    """Event #1 of every response."""
-    return Sequence().number([(CREATED, created(rid))])[0]
+def opening(response: dict) -> tuple[int, str, str]:
+    """Event #1 of every response: ``response`` is its object (common/resources.py) at its creation."""
+    return Sequence().number([(CREATED, created(response["id"], response))])[0]
 
 
 def item_added(rid: str, index: int, item: dict) -> dict:
     return {"response_id": rid, "output_index": index, "item": item}
 
 
+def part_added(rid: str, index: int, item_id: str) -> dict:
+    """The (only) text part of message ``index`` opens: the OpenAI SDK's helper needs it before a delta."""
+    return {"response_id": rid, "output_index": index, "item_id": item_id, "content_index": 0,
+            "part": {"type": "output_text", "text": ""}}
+
+
 def text_delta(rid: str, index: int, item_id: str, delta: str) -> dict:
-    return {"response_id": rid, "output_index": index, "item_id": item_id, "delta": delta}
+    """A message's text (its one part: content_index 0, as the OpenAI SDK reads it)."""
+    return {"response_id": rid, "output_index": index, "item_id": item_id, "content_index": 0, "delta": delta}
+
+
+def summary_delta(rid: str, index: int, item_id: str, delta: str) -> dict:
+    """A reasoning item's summary text (its one part)."""
+    return {"response_id": rid, "output_index": index, "item_id": item_id, "summary_index": 0, "delta": delta}
 
 
 item_done = item_added
@@ -83,9 +116,12 @@ def attempt_started(rid: str, attempt: int) -> dict:
     return {"response_id": rid, "attempt": attempt}
 
 
-def final(rid: str, status: str, *, usage=None, error=None, incomplete_details=None) -> tuple[str, dict]:
-    """The one final event for a response in ``status``."""
+def final(rid: str, status: str, *, usage=None, error=None, incomplete_details=None,
+          response: dict | None = None) -> tuple[str, dict]:
+    """The one final event for a response in ``status``; ``response``: its final object (see ``created``)."""
     data: dict = {"response_id": rid, "status": status}
+    if response is not None:
+        data["response"] = response
     if status == "completed":
         return COMPLETED, {**data, "usage": usage}
     if status == "incomplete":
@@ -129,17 +165,20 @@ def of_response(obj: dict) -> list[tuple[str, dict]]:
     """The events a finished response object (6.2) implies, each item's text in one delta: what a
     replayed Idempotency-Key of a stream sends again (9.2: the original outcome, as it was asked for)."""
     rid = obj["id"]
-    out = [(CREATED, created(rid))]
+    out = [(CREATED, created(rid, started(obj)))]
     for index, item in enumerate(obj.get("output") or []):
-        parts = {"message": ("content", TEXT_DELTA), "reasoning": ("summary", REASONING_DELTA)}.get(item["type"])
+        parts = {"message": ("content", TEXT_DELTA, text_delta),
+                 "reasoning": ("summary", REASONING_DELTA, summary_delta)}.get(item["type"])
         if parts is None:  # a function call arrives complete in its done event (6.5)
             out.append((ITEM_ADDED, item_added(rid, index, {**item, "arguments": ""})))
         else:
-            field, delta = parts
+            field, delta, payload = parts
             out.append((ITEM_ADDED, item_added(rid, index, {**item, field: []})))
+            if item["type"] == "message":
+                out.append((PART_ADDED, part_added(rid, index, item["id"])))
             if text := "".join(part.get("text", "") for part in item.get(field) or []):
-                out.append((delta, text_delta(rid, index, item["id"], text)))
+                out.append((delta, payload(rid, index, item["id"], text)))
         out.append((ITEM_DONE, item_done(rid, index, item)))
     out.append(final(rid, obj["status"], usage=obj.get("usage"), error=obj.get("error"),
-                     incomplete_details=obj.get("incomplete_details")))
+                     incomplete_details=obj.get("incomplete_details"), response=obj))
     return out

@@ -22,6 +22,7 @@ from common.db import Compiled, commit_lazily, db_now, run_batch
 from common.errors import LMSPError, problem
 from common.events import Sequence
 from common.ids import is_id, new_id
+from common.resources import is_background, response_object
 from common.states import (
     CANCELLED,
     CANCELLING,
@@ -151,7 +152,7 @@ def create_task(session: Session, response: Response, task: Task, room: Room | N
     have none, and nothing is written. ``also``: rows (not added to the session) written exactly when
     the task is. ``commit``: commit the transaction too, on Postgres in the same round trip, so no
     round trip of ours falls inside the locks."""
-    seq, name, data = events.opening(response.id)
+    seq, name, data = events.opening(response_object(response, queued=is_background(response)))
     first = EventRow(response_id=response.id, seq=seq, name=name, data=data, created_at=time.time())
     steps = []
     if room is not None and session.get_bind().dialect.name == "postgresql":
@@ -198,16 +199,18 @@ def _final(session: Session, response_id: str, status: R, *, first_seq: int | No
     """Items still to emit + the one final event, numbered from ``first_seq`` (the writer's own
     ``Sequence``) or else after the log, and the response row in its final state."""
     incomplete = {"reason": "max_output_tokens"} if status == R.INCOMPLETE else None
+    values = {"error": error, "incomplete_details": incomplete}
+    if output is not None:
+        values.update(output=output, usage=usage)
+    # The row as it ends (RETURNING: no extra round trip) is the final event's response object.
+    row = respond_returning(session, response_id, status, **values) or session.get(Response, response_id,
+                                                                                   populate_existing=True)
     name, data = events.final(response_id, status, usage=usage if status != R.CANCELLED else None,
-                              error=error, incomplete_details=incomplete)
+                              error=error, incomplete_details=incomplete, response=response_object(row))
     seq = Sequence(first_seq - 1 if first_seq is not None else eventlog.max_seq(session, response_id))
     batch = seq.number([*emitted, (name, data)])
     if logged:
         eventlog.append(session, response_id, batch)
-    values = {"error": error, "incomplete_details": incomplete}
-    if output is not None:
-        values.update(output=output, usage=usage)
-    respond(session, response_id, status, **values)
     return batch
 
 

@@ -192,10 +192,11 @@ class ResponseRequest(Strict):
 
     @field_validator("background")
     @classmethod
-    def _background(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("background responses are not supported: create a task (POST /lmsp/v1/tasks), "
-                             "which is durable and can be followed and resumed")
+    def _background(cls, value: bool | None, info) -> bool | None:
+        # A background response is a durable task behind the OpenAI surface (api/services/background.py):
+        # it is kept, so that it can be polled, streamed again and cancelled.
+        if value and not info.data.get("store"):
+            raise ValueError("background: true needs store: true (a background response is kept to be polled)")
         return value
 
     @field_validator("text")

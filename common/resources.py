@@ -5,14 +5,20 @@ from common.states import FAILED, SUCCEEDED
 from common.tables import Response, Task
 
 
-def response_object(r: Response) -> dict:
-    return _response(r).wire()
+def response_object(r: Response, queued: bool = False) -> dict:
+    """``queued``: a background response whose task waits for a worker (OpenAI's status for it)."""
+    return _response(r, queued).wire()
 
 
-def _response(r: Response) -> wire.Response:
+def is_background(r: Response) -> bool:
+    """Created with ``background: true``: a durable task behind the OpenAI surface (api/services/background.py)."""
+    return bool((r.request or {}).get("background"))
+
+
+def _response(r: Response, queued: bool = False) -> wire.Response:
     return wire.Response(
         id=r.id, created_at=int(r.created_at), model=r.model, output=r.output or [], usage=r.usage,
-        status="in_progress" if r.status == "queued" else r.status,
+        status="queued" if queued else "in_progress" if r.status == "queued" else r.status,
         error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
 
 

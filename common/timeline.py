@@ -23,11 +23,15 @@ the worker's others): a phase is never negative, skew shows up in ``queue``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
-from common.lifecycle import Attempt
 from common.tables import TaskAttempt
+
+if TYPE_CHECKING:  # lifecycle builds response objects (common/resources.py), which import this module
+    from common.lifecycle import Attempt
 
 KEY = "x-lmsp-timeline"
 PHASES = ("queue", "retries", "dispatch", "load", "prefill", "decode", "write_lag")

@@ -25,8 +25,9 @@ class OnRestart(StrEnum):
     RESUME = "resume"
 
 
-# A response's status as clients see it (6.2): a row waiting for a worker is ``in_progress``.
-ResponseStatus = Literal[tuple(s.value for s in ResponseState if s is not ResponseState.QUEUED)]
+# A response's status as clients see it (6.2): a row waiting for a worker is ``in_progress``, except a
+# background response's (``queued`` while its task waits, as OpenAI's background mode says).
+ResponseStatus = Literal[tuple(s.value for s in ResponseState)]
 TaskStatus = Literal[tuple(s.value for s in STATES)]
 UnixSeconds = Annotated[int, Field(description="Unix seconds")]
 Count = Annotated[int, Field(ge=0)]
@@ -128,6 +129,22 @@ class Response(Shape):
     error: Problem | None = Field(description="A problem when status is failed")
     incomplete_details: IncompleteDetails | None = Field(description="An object when status is incomplete")
     previous_response_id: str | None
+
+
+class InputItemList(Shape):
+    """A page of a stored response's input items (the OpenAI Responses API's list)."""
+    object: Literal["list"] = "list"
+    data: list[dict] = Field(description="Input items as 6.1 describes them (a message's text as parts), each "
+                                         "with an `id` (made from the response's id where the client gave none)")
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class DeletedResponse(Shape):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
 
 
 Seconds = Annotated[float, Field(ge=0)]
@@ -347,9 +364,23 @@ class EventData(Shape):
     sequence_number: int = Field(ge=1, description="The event's id")
 
 
+LIFECYCLE = "The response object as GET /responses/{id} would return it at that moment (what the OpenAI SDK " \
+            "builds its picture of the response from)"
+
+
 class ResponseCreated(EventData):
     response_id: str
     status: Literal["in_progress"]
+    response: Response = Field(description=LIFECYCLE + "; `queued` for a background response not started yet")
+
+
+class ContentPartAdded(EventData):
+    """A message's text part opens (before its first delta), as OpenAI's API sends it."""
+    response_id: str
+    output_index: Count
+    item_id: str
+    content_index: Literal[0]
+    part: OutputText
 
 
 class OutputItemEvent(EventData):
@@ -362,6 +393,15 @@ class TextDelta(EventData):
     response_id: str
     output_index: Count
     item_id: str
+    content_index: Literal[0]
+    delta: str
+
+
+class SummaryDelta(EventData):
+    response_id: str
+    output_index: Count
+    item_id: str
+    summary_index: Literal[0]
     delta: str
 
 
@@ -369,6 +409,7 @@ class Completed(EventData):
     response_id: str
     status: Literal["completed"]
     usage: Usage
+    response: Response = Field(description=LIFECYCLE)
 
 
 class Incomplete(EventData):
@@ -376,17 +417,20 @@ class Incomplete(EventData):
     status: Literal["incomplete"]
     incomplete_details: IncompleteDetails
     usage: Usage
+    response: Response = Field(description=LIFECYCLE)
 
 
 class Failed(EventData):
     response_id: str
     status: Literal["failed"]
     error: Problem
+    response: Response = Field(description=LIFECYCLE)
 
 
 class Cancelled(EventData):
     response_id: str
     status: Literal["cancelled"]
+    response: Response = Field(description=LIFECYCLE)
 
 
 class ErrorEvent(EventData):
@@ -403,8 +447,9 @@ class AttemptStarted(EventData):
 EVENTS: dict[str, type[Shape]] = {
     events.CREATED: ResponseCreated,
     events.ITEM_ADDED: OutputItemEvent,
+    events.PART_ADDED: ContentPartAdded,
     events.TEXT_DELTA: TextDelta,
-    events.REASONING_DELTA: TextDelta,
+    events.REASONING_DELTA: SummaryDelta,
     events.ITEM_DONE: OutputItemEvent,
     events.COMPLETED: Completed,
     events.INCOMPLETE: Incomplete,

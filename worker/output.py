@@ -106,6 +106,8 @@ class OutputBuilder:
             self.items.append(item)
             self.open = len(self.items) - 1
             out.append((events.ITEM_ADDED, events.item_added(self.rid, self.open, _copy(item))))
+            if kind == "message":
+                out.append((events.PART_ADDED, events.part_added(self.rid, self.open, item["id"])))
         if text:
             out += self._add_text(self.items[self.open], text)
         return out
@@ -116,8 +118,9 @@ class OutputBuilder:
         if not parts:
             parts.append({"type": part_type, "text": ""})
         parts[0]["text"] += text
-        name = events.TEXT_DELTA if item["type"] == "message" else events.REASONING_DELTA
-        return [(name, events.text_delta(self.rid, self.open, item["id"], text))]
+        if item["type"] == "message":
+            return [(events.TEXT_DELTA, events.text_delta(self.rid, self.open, item["id"], text))]
+        return [(events.REASONING_DELTA, events.summary_delta(self.rid, self.open, item["id"], text))]
 
     def _close(self) -> Emitted:
         if self.open is None:

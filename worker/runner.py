@@ -22,6 +22,7 @@ from common.lifecycle import Attempt, Fenced
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest
 from common.registry import queue_name
+from common.resources import response_object
 from common.states import LIVE, QUEUED, TASK_OUTCOME, R
 from common.tables import Response, Task
 from worker import apart, metrics
@@ -424,7 +425,7 @@ def _run_direct(ctx: WorkerContext, model: str, engine, response_id: str, prompt
     attempt, response = claimed
     job = Job(ctx, attempt, response, Sequence(), engine)
     job.logged = job.logged or logged
-    job.emit([(events.CREATED, events.created(response_id))])
+    job.emit([(events.CREATED, events.created(response_id, response_object(response)))])
     try:
         job.run(job.builder(), prompt_ids=prompt_ids)
     except EngineStopped:

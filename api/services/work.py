@@ -129,7 +129,7 @@ class DirectWatch:
             return None
         else:
             name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
-                                      incomplete_details=row.incomplete_details)
+                                      incomplete_details=row.incomplete_details, response=response_object(row))
         # Numbered by the follower (events.Sequence) after the last it sent; one that sent nothing yet
         # puts response.created first (api/live.py).
         return [(name, dumps(data))]
@@ -258,13 +258,6 @@ def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
         if task.status in (SUCCEEDED, FAILED):  # it finished while we tried
             raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
         return task_view(session, task, svc.registry)
-
-
-def stored_response(session: Session, principal: str, response_id: str) -> dict:
-    row = lifecycle.stored_response(session, principal, response_id)
-    if row is None:
-        raise LMSPError("response_not_found", f"No stored response {response_id}")
-    return response_object(row)
 
 
 def response_json(session: Session, response_id: str) -> dict | None:

@@ -3,11 +3,10 @@ import json
 from flask import Blueprint, Response, stream_with_context
 
 from api import direct
-from api.auth import principal, streamed
+from api.auth import streamed
 from api.body import json_body
-from api.extensions import services
 from api.operations import json_answer, operation, sse_answer
-from api.services.work import stored_response
+from api.views.stored import create_background
 from common import events, wire
 from common.protocol import ResponseRequest
 
@@ -25,7 +24,8 @@ bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
                             "`: keep-alive` comments in between"))},
     errors=[*direct.ERRORS,
             (404, "model_not_found", "response_not_found", "response_not_found names previous_response_id"),
-            (503, "model_unavailable", "No live worker serves the model")],
+            (503, "model_unavailable", "overloaded", "No live worker serves the model; overloaded: the model's "
+             "queue is full (background)")],
     description="An Idempotency-Key replays the stored outcome (status and body) of a finished request: the "
                 "response object, or the problem it failed with; a finished stream's replay is a stream again, "
                 "its items each in one delta, ending with the same final event. A request that ended without "
@@ -34,11 +34,17 @@ bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
                 "user message), items as `{role, content}` without `type` (messages), `instructions` (a system "
                 "message before the input) and `text.format` (another spelling of `response_format`, its "
                 "json_schema with `name` and `schema` at the top; giving both is a 400 with param `text`). "
-                "`background: true` is refused: create a task. Every event's data starts with `type` (its "
-                "name) and `sequence_number` (its id).",
+                "`background: true` (with `store: true`) makes a durable task of it: the answer is the "
+                "response at once, `queued`, to poll, stream again and cancel at /responses/{id} "
+                "(`extensions[\"x-lmsp-on-restart\"]`: its restart policy, `resume` by default where the "
+                "model can, else `retry`). Every event's data starts with `type` (its name) and "
+                "`sequence_number` (its id); lifecycle events also carry `response`, the response object.",
     params=["IdempotencyKey"], body=ResponseRequest)
 def create():
-    run = direct.begin(json_body())
+    body = json_body()
+    if isinstance(body, dict) and body.get("background") is True:
+        return create_background(body)  # a durable task (api/views/stored.py)
+    run = direct.begin(body)
     if isinstance(run, direct.Done):
         return _replay(run)
     if run.prepared.request.stream:
@@ -54,12 +60,3 @@ def _replay(done: direct.Done) -> Response:
     frames = [events.sse(*event) for event in events.Sequence().number(events.of_response(json.loads(done.body)))]
     return Response("".join(frames), content_type=events.SSE_TYPE, headers={"Cache-Control": "no-cache"})
 
-
-@bp.get("/<response_id>")
-@operation("getResponse", "A response stored with store: true", tag="responses", scope="responses:read",
-           answers={200: json_answer("The response", wire.Response)}, errors=[(404, "response_not_found")],
-           params=["ResponseId"])
-def get(response_id: str):
-    svc = services()
-    with svc.sessions() as session:
-        return stored_response(session, principal(), response_id)

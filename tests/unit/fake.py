@@ -9,6 +9,7 @@ import time
 from sqlalchemy import select
 
 from common import events, lifecycle, liveness
+from common.resources import response_object
 from common.states import R
 from common.tables import Response
 from worker.output import OutputBuilder
@@ -55,12 +56,12 @@ class FakeWorker:
             session.commit()
         if claimed is None:
             return
-        attempt = claimed[0]
+        attempt, row = claimed
         self.claimed.set()
         if self.gate is not None:
             self.gate.wait(30)
         builder = OutputBuilder(response_id, "text")
-        emitted = [(events.CREATED, events.created(response_id)), *builder.feed(self.text), *builder.finish()]
+        emitted = [(events.CREATED, events.created(response_id, response_object(row))), *builder.feed(self.text), *builder.finish()]
         batch = [(seq, name, events.dumps(data)) for seq, (name, data) in enumerate(emitted, 1)]
         usage = {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
         with self.sessions() as session:

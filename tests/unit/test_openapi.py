@@ -18,6 +18,12 @@ OUTPUT = [{"id": "msg_1", "type": "message", "role": "assistant", "content": [{"
           {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}]
 
 
+def response(rid: str = "resp_1", status: str = "completed", **kw) -> dict:
+    """A response object as lifecycle events carry it."""
+    return {"id": rid, "object": "response", "created_at": 1, "status": status, "model": MODEL, "output": OUTPUT,
+            "usage": USAGE, "error": None, "incomplete_details": None, "previous_response_id": None, **kw}
+
+
 @pytest.fixture(scope="module")
 def doc(unit):
     resp = unit.client.get(SPEC, headers={"Authorization": f"Bearer {unit.token('openapi', 'models:read')}"})
@@ -134,13 +140,14 @@ def test_failed_task_carries_its_problem(doc, alice):
 def test_event_stream_matches_the_event_schemas(doc, alice):
     task = alice.task("succeeded")
     rid = task.response_id
-    script = [(events.CREATED, events.created(rid)),
+    script = [(events.CREATED, events.created(rid, events.started(response(rid)))),
               (events.ITEM_ADDED, events.item_added(rid, 0, {**OUTPUT[0], "content": []})),
+              (events.PART_ADDED, events.part_added(rid, 0, "msg_1")),
               (events.TEXT_DELTA, events.text_delta(rid, 0, "msg_1", "Hi")),
               (events.ITEM_DONE, events.item_done(rid, 0, OUTPUT[0])),
               (events.ATTEMPT_STARTED, events.attempt_started(rid, 2)),
-              (events.REASONING_DELTA, events.text_delta(rid, 1, "rs_1", "hm")),
-              events.final(rid, "completed", usage=USAGE)]
+              (events.REASONING_DELTA, events.summary_delta(rid, 1, "rs_1", "hm")),
+              events.final(rid, "completed", usage=USAGE, response=response(rid))]
     alice.log(task, script)
     template = "/lmsp/v1/tasks/{task_id}/events"
     text = check(doc, alice, "GET", template, f"/lmsp/v1/tasks/{task.id}/events", 200)
@@ -159,7 +166,7 @@ def test_every_final_event_and_problem_matches_its_schema(doc):
     for status, kw in (("completed", {"usage": USAGE}), ("failed", {"error": problem("generation_failed", "x")}),
                        ("incomplete", {"usage": USAGE, "incomplete_details": {"reason": "max_output_tokens"}}),
                        ("cancelled", {})):
-        name, data = events.final("resp_1", status, **kw)
+        name, data = events.final("resp_1", status, **kw, response=response(status=status, **kw))
         _validator(doc, named[name]).validate(json.loads(events.typed(7, name, events.dumps(data))))
         assert not _validator(doc, named[name]).is_valid(data)  # type and sequence_number are always sent
     for code in CODES:

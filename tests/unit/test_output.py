@@ -55,8 +55,9 @@ def test_auto_mode_plain_answer_streams_and_malformed_call_stays_text():
 
 def test_empty_generation_still_answers_one_message():
     emitted = run(OutputBuilder("resp_1", "text"), [])
-    assert [n for n, _ in emitted] == [events.ITEM_ADDED, events.ITEM_DONE]
-    assert emitted[1][1]["item"]["content"] == [{"type": "output_text", "text": ""}]
+    assert [n for n, _ in emitted] == [events.ITEM_ADDED, events.PART_ADDED, events.ITEM_DONE]
+    assert emitted[2][1]["item"]["content"] == [{"type": "output_text", "text": ""}]
+    assert emitted[1][1]["part"] == {"type": "output_text", "text": ""}  # before any delta: the OpenAI SDK's helper
 
 
 def test_replay_rebuilds_state_and_continues_the_same_item():
@@ -68,7 +69,8 @@ def test_replay_rebuilds_state_and_continues_the_same_item():
     assert resumed.raw == "Once upon"
     emitted = resumed.feed(" a time") + resumed.finish()
     assert emitted[0] == (events.TEXT_DELTA, {"response_id": "resp_1", "output_index": 0,
-                                              "item_id": logged[0][1]["item"]["id"], "delta": " a time"})
+                                              "item_id": logged[0][1]["item"]["id"], "content_index": 0,
+                                              "delta": " a time"})
     assert resumed.items[0]["content"][0]["text"] == "Once upon a time"
 
 

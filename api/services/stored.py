@@ -1,0 +1,65 @@
+"""Stored responses (``store: true``) as the OpenAI Responses API reads them: one principal's response by
+id, the page of its input items, and its deletion (api/views/stored.py)."""
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from api.extensions import Services
+from api.services import background
+from common import lifecycle
+from common.errors import LMSPError
+from common.resources import is_background
+from common.tables import Response
+
+ORDERS = ("asc", "desc")
+# Ids of input items the client sent without one (a string input, a message without id): made from the
+# response's id and the item's place, so the same item has the same id on every read (a cursor).
+_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def require(session: Session, principal: str, response_id: str) -> Response:
+    """The principal's stored response; another principal's, a deleted or an unknown one is a 404 alike."""
+    row = lifecycle.stored_response(session, principal, response_id)
+    if row is None:
+        raise LMSPError("response_not_found", f"No stored response {response_id}")
+    return row
+
+
+def input_items(row: Response, *, after: str | None, limit: int, order: str) -> dict:
+    """A page of the input the model was given (earlier turns of previous_response_id and instructions,
+    as a system message, included), ``order`` asc (as sent) or desc, after the item ``after``."""
+    items = [_listed(row.id, place, item) for place, item in enumerate((row.request or {}).get("input") or [])]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise LMSPError("invalid_request", f"after must be the id of one of {row.id}'s input items",
+                            param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def _listed(response_id: str, place: int, item: dict) -> dict:
+    out = dict(item)
+    out.setdefault("type", "message")
+    if not out.get("id"):
+        out["id"] = f"{_PREFIXES.get(out['type'], 'item')}_{response_id.split('_', 1)[1]}_{place}"
+    if out["type"] == "message" and isinstance(out.get("content"), str):  # the OpenAI shape: parts
+        kind = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": kind, "text": out["content"]}]
+    return out
+
+
+def delete(svc: Services, session: Session, row: Response) -> dict:
+    """Forget a stored response: every read (GET, input items, its stream, previous_response_id) answers
+    404 from now on. A background response still running is cancelled first, so nothing generates for
+    a response nobody can read. Its rows go with the retention, as every row does (invariant 13:
+    nothing is deleted row by row at scale)."""
+    if is_background(row):
+        background.cancel(svc, session, row)
+    session.execute(update(Response).where(Response.id == row.id).values(stored=False))
+    session.commit()
+    return {"id": row.id, "object": "response", "deleted": True}
