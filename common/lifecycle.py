@@ -194,6 +194,9 @@ def create_warmed(session: Session, response: Response) -> Response:
 
 
 # -- the final event ----------------------------------------------------------------------------
+_SHOWN = (Response.id, Response.created_at, Response.model, Response.output, Response.usage, Response.status,
+          Response.error, Response.incomplete_details, Response.previous_response_id)  # what response_object reads
+
 def _final(session: Session, response_id: str, status: R, *, first_seq: int | None = None, emitted=(),
            output=None, usage=None, error=None, logged: bool = True) -> list[Event]:
     """Items still to emit + the one final event, numbered from ``first_seq`` (the writer's own
@@ -202,9 +205,10 @@ def _final(session: Session, response_id: str, status: R, *, first_seq: int | No
     values = {"error": error, "incomplete_details": incomplete}
     if output is not None:
         values.update(output=output, usage=usage)
-    # The row as it ends (RETURNING: no extra round trip) is the final event's response object.
-    row = respond_returning(session, response_id, status, **values) or session.get(Response, response_id,
-                                                                                   populate_existing=True)
+    # The row as it ends (RETURNING: no extra round trip) is the final event's response object; not its
+    # request, which may be a megabyte.
+    row = respond_returning(session, response_id, status, columns=_SHOWN, **values) or session.execute(
+        select(*_SHOWN).where(Response.id == response_id)).one()
     name, data = events.final(response_id, status, usage=usage if status != R.CANCELLED else None,
                               error=error, incomplete_details=incomplete, response=response_object(row))
     seq = Sequence(first_seq - 1 if first_seq is not None else eventlog.max_seq(session, response_id))

@@ -119,9 +119,13 @@ def respond(session: Session, response_id: str, target: str, *, only_from=None, 
     return _won(session, _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, where, values))
 
 
-def respond_returning(session: Session, response_id: str, target: str, *, only_from=None, where=(), **values):
-    """``respond`` that returns the updated row (None if this call did not win), in one round trip."""
+def respond_returning(session: Session, response_id: str, target: str, *, only_from=None, where=(), columns=(),
+                      **values):
+    """``respond`` that returns the updated row (None if this call did not win), in one round trip;
+    ``columns``: only those (a Core row), not the whole row."""
     from common.tables import Response
 
-    return _row(session, Response, _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, where,
-                                         values))
+    stmt = _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, where, values)
+    if columns and stmt is not None:
+        return session.execute(stmt.returning(*columns)).one_or_none()
+    return _row(session, Response, stmt)
