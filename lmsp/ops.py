@@ -32,3 +32,20 @@ def keda_role(keda_url: str) -> None:
              f"database and may create roles (CREATEROLE), and KEDA's URL ({shown_url(keda_url)}) must "
              "reach the same database")
     say(f"KEDA's role {role} can count tasks (read-only) in {shown_url(url)}")
+
+
+@cli.command("doctor")
+@click.option("--model", "models", multiple=True, help="Check these models only (a worker host's own); "
+              "default: every model of the registry.")
+@click.option("--min-free-gib", type=float, default=10.0, show_default=True,
+              help="Free space the model cache needs.")
+def doctor(models: tuple[str, ...], min_free_gib: float) -> None:
+    """Check this host: Postgres and Redis by the configured URLs, the schema, the clock against the
+    database, the models (and their revision), the GPU as torch sees it, free disk, this host's worker
+    ids. One line each, and what to do when it fails; exits 1 if any fails."""
+    from lmsp.doctor import Doctor, run
+    ids = tuple(m for arg in models for m in arg.split(",") if m)
+    failed = run(Doctor(get_settings(), ids, min_free_gib), click.echo)
+    if failed:
+        fail(f"{failed} check{'s' if failed > 1 else ''} failed: each FAIL line says what to do")
+    say("every check passed")

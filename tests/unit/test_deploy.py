@@ -5,9 +5,11 @@ against the compose specification's JSON schema (tests/schemas), and their servi
 addresses and settings refer to things that exist."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -225,18 +227,18 @@ def test_compose_services_refer_to_what_exists(compose):
             assert not key.startswith("LMSP_") or key in SETTINGS_ENV, f"{name}: {key} is read by nothing"
 
 
-def test_compose_runs_one_worker_service_per_model_on_its_own_gpus(compose):
+def test_compose_runs_one_worker_service_per_model_on_its_own_gpus(compose, registry=None):
     services = compose["services"]
-    registry = Registry.load(ROOT / "compose.models.yaml")
+    registry = registry or Registry.load(ROOT / "compose.models.yaml")
     seen_models, seen_gpus = set(), set()
     for name, argv in workers(compose).items():
         service = services[name]
-        model, gpus = argv[argv.index("--model") + 1], argv[argv.index("--gpus") + 1]
+        ids, gpus = argv[argv.index("--model") + 1].split(","), argv[argv.index("--gpus") + 1]  # a model or a set
         per_worker = int(argv[argv.index("--tensor-parallel") + 1]) if "--tensor-parallel" in argv else 1
-        assert model in registry.models and model not in seen_models
+        assert set(ids) <= set(registry.models) and not set(ids) & seen_models
         indices = [int(g) for g in gpus.split(",")]
         assert not seen_gpus & set(indices), f"{name}: a GPU in two services"
-        seen_models.add(model)
+        seen_models |= set(ids)
         seen_gpus |= set(indices)
         # The healthcheck asks every worker's port: 9400 + N for N in range(workers of --gpus).
         port = Settings.model_fields["worker_metrics_port"].default
@@ -244,7 +246,9 @@ def test_compose_runs_one_worker_service_per_model_on_its_own_gpus(compose):
         assert f"range({len(indices) // per_worker})" in service["healthcheck"]["test"][-1]
         drain = float(service["environment"]["LMSP_DRAIN_SECONDS"])
         assert int(service["stop_grace_period"].rstrip("s")) >= drain + 30
-        assert service["hostname"] and service["deploy"]["resources"]["reservations"]["devices"]
+        # Worker ids are the host's own name (uts: host): no per-host setting that a copied .env repeats.
+        assert service["uts"] == "host" and "hostname" not in service
+        assert service["deploy"]["resources"]["reservations"]["devices"]
         assert service["environment"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert service["build"]["target"] == "gpu"
     assert seen_models == set(registry.models), "a registered model with no worker service"
@@ -272,7 +276,51 @@ def test_head_publishes_on_the_private_address_and_gpu_nodes_reach_it_with_passw
         env = service["environment"]
         assert env["LMSP_DATABASE_URL"] == f"postgresql://lmsp:{pg_pw}@{addr}:5432/lmsp"
         assert env["LMSP_BROKER_URL"] == env["LMSP_REDIS_URL"] == f"redis://:{redis_pw}@{addr}:6379/0"
-        assert service["hostname"] == ENV["LMSP_HOST_NAME"]
+        assert service["uts"] == "host"
+    assert "LMSP_HOST_NAME" not in ENV, "a per-host name in the shared .env collides when copied"
     for name, wanted in (("compose.gpu.yaml", "LMSP_HEAD_ADDR"), ("compose.head.yaml", "REDIS_PASSWORD")):
         with pytest.raises(AssertionError, match=wanted):  # a missing setting stops compose with its name
             load(name, {k: v for k, v in ENV.items() if k != wanted})
+
+
+# -- day-one operations (issue 35) ---------------------------------------------------------------------------
+def test_the_commented_multi_model_worker_service_is_valid_once_uncommented(tmp_path):
+    text = (ROOT / "compose.gpu.yaml").read_text()
+    block = re.search(r"^  # worker-small-set:\n(?:^  #.*\n)+", text, re.M).group(0)
+    live = text.replace(block, "".join(line.replace("  # ", "  ", 1).replace("  #", "", 1) + "\n"
+                                       for line in block.splitlines()))
+    (tmp_path / "compose.gpu.yaml").write_text(live)
+    gpu = load(str(tmp_path / "compose.gpu.yaml"))   # an absolute path: ROOT / it is it
+    argv = gpu["services"]["worker-small-set"]["command"]
+    ids = argv[argv.index("--model") + 1].split(",")
+    assert len(ids) >= 2
+    env = gpu["services"]["worker-small-set"]["environment"]
+    assert float(env["LMSP_WORKER_MEMORY_BUDGET_GIB"]) > 0 and env["LMSP_DATABASE_URL"]
+    registry = Registry.load(ROOT / "compose.models.yaml")
+    for model_id in ids:
+        registry.put(registry.models["smollm2:135m"].model_copy(update={"id": model_id}))
+    both = {"services": {**load("compose.head.yaml")["services"], **gpu["services"]}}
+    test_compose_runs_one_worker_service_per_model_on_its_own_gpus(both, registry)
+
+
+def test_one_model_the_head_cannot_pull_does_not_keep_the_api_down(tmp_path):
+    """The head's pull tries each model; the api waits for it to end, not for every model to be there
+    (the api answers 503 model_unavailable for a model whose files are missing)."""
+    head = load("compose.head.yaml")
+    pull = head["services"]["pull"]["command"]
+    assert pull[:3] == ["lmsp", "models", "pull"] and "--keep-going" in pull and "--tokenizer-only" in pull
+    assert head["services"]["api"]["depends_on"]["pull"]["condition"] == "service_completed_successfully"
+    (tmp_path / "here").mkdir()
+    models = {"models": [
+        {"id": "gated:1", "checkpoint": str(tmp_path / "only-the-gpu-nodes-have-it.gguf"), "context_window": 64,
+         "max_output_tokens": 16},
+        {"id": "here:1", "checkpoint": str(tmp_path / "here"), "context_window": 64, "max_output_tokens": 16}]}
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(models))
+    env = {**os.environ, "LMSP_MODELS_FILE": str(tmp_path / "models.yaml"), "LMSP_HOME": str(tmp_path / "home")}
+    lmsp = [sys.executable, "-m", "lmsp"]
+    done = subprocess.run([*lmsp, *pull[1:]], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\t")[0] == "here:1"          # the model it could pull, pulled
+    assert "not pulled: model gated:1" in done.stderr and "1 of 2 models not pulled (gated:1)" in done.stderr
+    alone = subprocess.run([*lmsp, "models", "pull", "--all"], env=env, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 1 and "here:1" not in alone.stdout   # without it: stops at the first
