@@ -197,6 +197,7 @@ def create_warmed(session: Session, response: Response) -> Response:
 _SHOWN = (Response.id, Response.created_at, Response.model, Response.output, Response.usage, Response.status,
           Response.error, Response.incomplete_details, Response.previous_response_id)  # what response_object reads
 
+
 def _final(session: Session, response_id: str, status: R, *, first_seq: int | None = None, emitted=(),
            output=None, usage=None, error=None, logged: bool = True) -> list[Event]:
     """Items still to emit + the one final event, numbered from ``first_seq`` (the writer's own
