@@ -46,11 +46,24 @@ def _reachable(url):
                           "and that the server is up") from None
 
 
+# libpq's multi-host URI: postgresql://user@host1:port1,host2:port2/db?target_session_attrs=read-write
+_MULTI_HOST = re.compile(r"^(?P<scheme>[^:]+://)(?P<user>[^@/]*@)?(?P<hosts>[^/?@]*,[^/?]*)(?P<path>/[^?]*)?"
+                         r"(?:\?(?P<query>.*))?$")
+
+
 def normalize_url(url: str) -> str:
-    # psycopg 3 is the driver we ship; plain postgresql:// would mean psycopg2.
+    """psycopg 3 is the driver we ship (plain postgresql:// would mean psycopg2). A libpq multi-host URI
+    (a primary and its standbys, for failover: README, "Postgres for zero loss") becomes SQLAlchemy's
+    form of it, one ``host=`` parameter a host, which the psycopg dialect hands to libpq as ``host=a,b``:
+    libpq tries them in order and, with ``target_session_attrs=read-write``, connects to the primary."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            url = "postgresql+psycopg://" + url[len(prefix):]
+    multi = _MULTI_HOST.match(url) if url.startswith("postgresql+psycopg://") else None
+    if multi:
+        hosts = "&".join(f"host={host}" for host in multi["hosts"].split(","))
+        query = f"{hosts}&{multi['query']}" if multi["query"] else hosts
+        url = f"{multi['scheme']}{multi['user'] or ''}{multi['path'] or '/'}?{query}"
     return url
 
 
