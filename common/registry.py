@@ -170,14 +170,14 @@ def local_checkpoint(spec: ModelSpec) -> str:
     return found
 
 
-def pull(spec: ModelSpec, *, tokenizer_only: bool = False, progress=print) -> str:
+def pull(spec: ModelSpec, *, tokenizer_only: bool = False, progress=print, update: bool = False) -> str:
     """Bring ``spec``'s files onto this machine (idempotent): download a repo id into the Hugging Face
     cache (resumable, with progress bars; ``HF_TOKEN`` for gated repos; ``HF_HUB_OFFLINE=1`` uses only
-    the cache), convert a GGUF file, check a folder. Returns the local folder."""
+    the cache) at the commit every host uses (common/revisions.py; ``update``: the branch's newest,
+    recorded for all), convert a GGUF file, check a folder. Returns the local folder."""
     source = source_of(spec)
     if source.kind == "hub":
-        return _hub_snapshot(spec, source, local_only=False,
-                             patterns=HUB_TOKENIZER if tokenizer_only else HUB_WEIGHTS)
+        return _agreed_snapshot(spec, source, HUB_TOKENIZER if tokenizer_only else HUB_WEIGHTS, update)
     if source.kind == "gguf":
         if not Path(source.checkpoint).is_file():
             raise CheckpointMissing(f"model {spec.id}: no GGUF file {source.checkpoint}; copy it here or fix "
@@ -189,6 +189,36 @@ def pull(spec: ModelSpec, *, tokenizer_only: bool = False, progress=print) -> st
             raise CheckpointMissing(f"model {spec.id}: cannot import {source.checkpoint}: {exc}; fix its "
                                     "checkpoint in the models file") from None
     return local_checkpoint(spec)
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _agreed_snapshot(spec: ModelSpec, source: Source, patterns: list[str], update: bool) -> str:
+    """A pinned commit as written; else the commit on record in the shared database (the first pull's,
+    recorded now if there is none), with this host's branch pointed at it for the api and workers."""
+    url = get_settings().database_url
+    if not url or (source.revision and _COMMIT.fullmatch(source.revision)):
+        return _hub_snapshot(spec, source, local_only=False, patterns=patterns)
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from common import revisions
+    try:
+        commit = None if update else revisions.recorded(url, spec.id, source.checkpoint)
+        if commit is None:
+            folder = _hub_snapshot(spec, source, local_only=False, patterns=patterns)
+            commit = revisions.record(url, spec.id, source.checkpoint, Path(folder).name, replace=update)
+            if commit == Path(folder).name:
+                return folder
+    except (SQLAlchemyError, ConfigError) as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise CheckpointMissing(f"model {spec.id}: cannot read or record the commit every host uses ({reason}); "
+                                "check LMSP_DATABASE_URL and run `lmsp migrate`, or pin `revision:` to a "
+                                "commit in the models file") from None
+    folder = _hub_snapshot(spec, Source("hub", source.checkpoint, commit), local_only=False, patterns=patterns)
+    revisions.point_branch(folder, source.revision)
+    _resolved.pop((spec.id, source), None)
+    return folder
 
 
 def _hub_snapshot(spec: ModelSpec, source: Source, *, local_only: bool, patterns: list[str]) -> str:

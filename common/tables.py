@@ -189,3 +189,12 @@ class Worker(Base):
     # the ones loaded at its last heartbeat (ids, in the order it serves them).
     models: Mapped[list | None] = mapped_column(JSON)
     models_loaded: Mapped[list | None] = mapped_column(JSON)
+
+
+class ModelRevision(Base):
+    """The commit a hub model resolved to at its first pull (common/revisions.py): every host uses it."""
+    __tablename__ = "model_revisions"
+    model_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    checkpoint: Mapped[str] = mapped_column(String(400))  # the repo id it was resolved for
+    commit: Mapped[str] = mapped_column(String(64))
+    recorded_at: Mapped[float] = mapped_column(Float)

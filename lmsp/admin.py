@@ -63,12 +63,18 @@ def tokens_list() -> None:
 @click.argument("token_id")
 def tokens_revoke(token_id: str) -> None:
     """Revoke a token at once."""
+    from common.bus import announce_revoked
     from common.tokens import revoke_token
     with sessions()() as session:
         found = revoke_token(session, token_id)
         session.commit()
     if not found:
         fail(f"no token {token_id}; `lmsp tokens list` shows them")
+    settings = get_settings()
+    if not announce_revoked(settings.redis_url, token_id):  # committed first: the api may look it up now
+        say(f"revoked {token_id}; Redis is unreachable, so the api processes refuse it within "
+            f"LMSP_TOKEN_CACHE_SECONDS ({settings.token_cache_seconds:g} s), not at once")
+        return
     say(f"revoked {token_id}")
 
 
@@ -113,7 +119,11 @@ def models_import(file: Path, model_id: str, reasoning_parser, tool_call_parser)
 @click.option("--keep-going", is_flag=True,
               help="Try every model even when one fails; list the failures and exit 0 (the api serves "
                    "the models it has and answers 503 model_unavailable for the others).")
-def models_pull(model_ids: tuple[str, ...], every: bool, tokenizer_only: bool, keep_going: bool) -> None:
+@click.option("--update", is_flag=True,
+              help="A hub model without a pinned revision: take its branch's newest commit and record it "
+                   "for every host (by default every host takes the commit the first pull recorded).")
+def models_pull(model_ids: tuple[str, ...], every: bool, tokenizer_only: bool, keep_going: bool,
+                update: bool) -> None:
     """Bring models' files onto this machine: a Hugging Face repo id into the shared cache (HF_HOME;
     resumable, HF_TOKEN for gated repos, HF_HUB_OFFLINE=1 uses the cache alone), a GGUF file converted.
     Prints each model's local folder; the api and the workers load from that same folder."""
@@ -133,13 +143,16 @@ def models_pull(model_ids: tuple[str, ...], every: bool, tokenizer_only: bool, k
     for spec in specs:
         say(f"{spec.id}: {source_of(spec).describe()}")
         try:
-            folder = pull(spec, tokenizer_only=tokenizer_only, progress=say)
+            folder = pull(spec, tokenizer_only=tokenizer_only, progress=say, update=update)
         except CheckpointMissing as exc:
             if not keep_going:
                 fail(str(exc))
             say(f"not pulled: {exc}")
             failed.append(spec.id)
             continue
+        if source_of(spec).kind == "hub":
+            say(f"{spec.id}: commit {Path(folder).name}" + ("" if spec.revision else
+                " (on record in the database: every host that pulls it takes this one)"))
         click.echo(f"{spec.id}\t{folder}")
     if failed:
         say(f"{len(failed)} of {len(specs)} models not pulled ({', '.join(failed)}): requests for them get "
