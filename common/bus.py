@@ -9,6 +9,7 @@ import redis
 
 CHANNEL = "lmsp:events:"   # + response id: the batches of events a writer committed
 CONTROL = "lmsp:control"   # response ids whose generation workers should abort
+REVOKED = "lmsp:revoked"   # token ids just revoked: every api process drops them from its cache
 HUB = "lmsp:hub"           # never published to: keeps an idle subscriber connection in subscribed mode
 
 
@@ -70,6 +71,21 @@ class Publisher:
             self.client.publish(CONTROL, response_id)
         except redis.RedisError:
             pass
+
+
+def announce_revoked(redis_url: str, token_id: str) -> bool:
+    """Tell every api process that ``token_id`` was revoked (after the commit); False when Redis is
+    away: their caches then forget it within their expiry (api/token_cache.py)."""
+    if not redis_url:
+        return True  # no Redis, no cache
+    client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+    try:
+        client.publish(REVOKED, token_id)
+        return True
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
 
 
 def aborted(payload: str | bytes) -> str:

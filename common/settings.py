@@ -93,6 +93,10 @@ class Settings(BaseSettings):
     follower_stall_seconds: Interval = 60.0  # a client that took none of its pending bytes this long is cut
     follower_heartbeat_seconds: Interval = 15.0  # an idle SSE follower's keep-alive (a vanished one is seen at once)
     stream_auth_recheck_seconds: Interval = 5.0  # how often an open stream checks its token is not revoked
+    # An api process answers a token it looked up this recently from memory; a revoke reaches every
+    # process at once over Redis, so this only bounds a revoke made while Redis is away (0: no cache;
+    # without Redis there is none).
+    token_cache_seconds: float = Field(5.0, ge=0)
     ws_ping_seconds: Interval = 10.0        # a WebSocket client that misses a pong for this long is dropped
     # WebSocket mode of the Responses API (api/views/realtime.py): each connection holds an api thread (and a
     # stream slot) for its life, plus one thread per lane while the lane generates.
