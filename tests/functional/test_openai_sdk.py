@@ -121,6 +121,15 @@ def test_background_create_poll_stream_and_resume_the_stream(sdk, sim):
         assert plain(stream.get_final_response()) == plain(done)
     with sdk.responses.stream(response_id=made.id, starting_after=3) as stream:
         assert [e.sequence_number for e in stream][0] == 4
+    again = sdk.responses.create(model=sim.model, input="Tell a story.", max_output_tokens=60, background=True,
+                                 store=True, extra_headers={"Idempotency-Key": made.id})
+    assert sdk.responses.create(model=sim.model, input="Tell a story.", max_output_tokens=60, background=True,
+                                store=True, extra_headers={"Idempotency-Key": made.id}).id == again.id
+    with sdk.responses.create(model=sim.model, input="Tell a story.", max_output_tokens=60, background=True,
+                              store=True, stream=True) as stream:  # created and followed at once
+        streamed = list(stream)
+    assert streamed[0].response.status == "queued" and streamed[-1].type == "response.completed"
+    assert streamed[-1].response.output_text == done.output_text  # the same prompt, the same text
 
 
 def test_background_cancel_is_idempotent(sdk, sim):
