@@ -42,6 +42,9 @@ def on_restart(prepared: Prepared) -> str:
     if asked not in tuple(OnRestart):
         raise LMSPError("invalid_request", f"extensions.{RESTART} must be one of "
                         f"{', '.join(OnRestart)}", param=f"extensions.{RESTART}")
+    if asked == OnRestart.RESUME and not prepared.spec.public_capabilities()["resume_snapshots"]:
+        raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot resume from a snapshot; "
+                        "use fail or retry", param=f"extensions.{RESTART}", capability="resume_snapshots")
     return asked
 
 
