@@ -88,9 +88,12 @@ class Doctor:
         from common.db import db_now
         from common.tables import Worker
         host = socket.gethostname()
+        mine = Worker.id.like(f"{host}:%")   # lmsp worker --gpus: host:gpuN
+        if self.settings.worker_id:          # a pod: its name (LMSP_WORKER_ID)
+            mine = mine | (Worker.id == self.settings.worker_id)
         with self.engine.connect() as conn:
             rows = conn.execute(select(Worker.id, Worker.state, Worker.stopped_at, db_now() - Worker.heartbeat_at)
-                                .where(Worker.id.like(f"{host}:%")).order_by(Worker.id)).all()
+                                .where(mine).order_by(Worker.id)).all()
         if not rows:
             return True, f"none yet under this host's name {host}"
         shown = [f"{wid} ({'stopped' if stopped else (state or 'ready')}, {age:.0f} s ago)"

@@ -22,6 +22,31 @@ FAMILIES = {  # name: (help, labels)
 }
 
 
+# This process's own figures (every other family is the whole service's): requests that hold one of its
+# gunicorn threads for their whole life, the measure of an api pod's load that CPU does not show
+# (k8s/components/api-scale-on-threads scales on it).
+PROCESS_FAMILIES = {
+    "lmsp_api_held_threads": "Requests holding a thread of the api process that answered: direct responses, "
+                             "?wait= long polls, WebSocket-mode connections (a followed event stream holds none).",
+    "lmsp_api_held_thread_limit": "How many may hold one at once in that process (LMSP_API_THREADS minus "
+                                  "LMSP_STREAM_RESERVED_THREADS); more get 429 rate_limited.",
+}
+
+
+class ProcessFigures:
+    def __init__(self, svc: Services):
+        self.svc = svc
+
+    def describe(self):
+        return [GaugeMetricFamily(name, help_text) for name, help_text in PROCESS_FAMILIES.items()]
+
+    def collect(self):
+        held, limit = self.describe()
+        held.add_metric([], self.svc.streams.open)
+        limit.add_metric([], self.svc.streams.total)
+        return [held, limit]
+
+
 class ServiceFigures:
     def __init__(self, svc: Services):
         self.svc = svc
@@ -49,4 +74,5 @@ class ServiceFigures:
 def metrics():
     registry = CollectorRegistry()
     registry.register(ServiceFigures(services()))
+    registry.register(ProcessFigures(services()))
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -136,7 +136,7 @@ def crd_schema(name: str) -> dict:
 CRDS = {("keda.sh/v1alpha1", "ScaledObject"): crd_schema("keda-scaledobject.json"),
         ("keda.sh/v1alpha1", "TriggerAuthentication"): crd_schema("keda-triggerauthentication.json"),
         ("monitoring.coreos.com/v1", "ServiceMonitor"): crd_schema("servicemonitor.json")}
-OPTIONAL = ("datastores-external", "gpu-nodes", "servicemonitor", "api-model-cache")
+OPTIONAL = ("datastores-external", "gpu-nodes", "servicemonitor", "api-model-cache", "api-scale-on-threads")
 
 
 def validate(doc: dict) -> None:
@@ -511,10 +511,11 @@ def known_metrics() -> dict[str, set[str]]:
     """Every sample name either side exposes, with its labels."""
     from prometheus_client import REGISTRY
 
-    from api.views.metrics import FAMILIES
+    from api.views.metrics import FAMILIES, PROCESS_FAMILIES
     from worker import metrics  # noqa: F401 - registers the worker's metrics
 
     out = {name: set(labels) for name, (_, labels) in FAMILIES.items()}
+    out |= dict.fromkeys(PROCESS_FAMILIES, set())
     for collector in list(REGISTRY._collector_to_names):
         for family in collector.collect():
             if family.name.startswith("lmsp_"):
@@ -682,3 +683,21 @@ def test_every_lmsp_command_in_the_manifests_is_one_the_cli_takes(rendered, tmp_
                     done = CliRunner().invoke(cli, [*argv[1:], "--help"])
                     assert done.exit_code == 0, f"{argv}: {done.output}"
     assert len(seen) >= 5
+
+
+def test_api_sizing_counts_what_holds_a_thread_and_can_scale_on_it(rendered, tmp_path):
+    """Followers no longer hold a thread; direct responses, long polls and WebSocket-mode connections do,
+    and CPU does not see them run out: the api exports how many are held, and a component scales on it."""
+    from common.settings import Settings
+
+    env = config(rendered)
+    threads = int(env["LMSP_API_THREADS"])
+    reserved = int(env.get("LMSP_STREAM_RESERVED_THREADS", Settings.model_fields["stream_reserved_threads"].default))
+    assert threads - reserved >= 64, "too few threads for requests that wait"
+    assert "one thread per open SSE/WebSocket stream" not in (K8S / "config.yaml").read_text()
+    hpa = named(with_components(tmp_path, "api-scale-on-threads"), "HorizontalPodAutoscaler", "lmsp-api")
+    (pods_metric,) = [m for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert pods_metric["pods"]["metric"]["name"] == "lmsp_api_held_threads"
+    target = float(pods_metric["pods"]["target"]["averageValue"])
+    assert 0 < target < threads - reserved   # scales out before a process refuses with 429
+    assert "lmsp_api_held_threads" in known_metrics()
