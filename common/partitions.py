@@ -112,8 +112,13 @@ def _name(low: str) -> str:
 
 
 def _attach(conn, name: str, low: str, high: str | None) -> None:
-    """Make ``name`` (a new table, or one detached) the partition [low, high)."""
-    conn.execute(f'CREATE TABLE IF NOT EXISTS "{name}" (LIKE {PARENT} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)')
+    """Make ``name`` (a new table, or one detached) the partition [low, high), in the log's tablespace
+    (an operator may give the log a disk of its own: ``ALTER TABLE events SET TABLESPACE``)."""
+    space = conn.execute("SELECT t.spcname FROM pg_class c JOIN pg_tablespace t ON t.oid = c.reltablespace "
+                         "WHERE c.oid = to_regclass(%s)", (PARENT,)).fetchone()
+    where = f' TABLESPACE "{space[0]}"' if space else ""
+    conn.execute(f'CREATE TABLE IF NOT EXISTS "{name}" (LIKE {PARENT} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)'
+                 f"{where}")
     upper = "MAXVALUE" if high is None else f"'{high}'"
     conn.execute(f"ALTER TABLE {PARENT} ATTACH PARTITION \"{name}\" FOR VALUES FROM ('{low}') TO ({upper})")
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import psycopg
 
+from common import partitions
 from common.db import upgrade
+from common.ids import id_time
 from tests.chaos import checker, faults
 from tests.chaos.load import History, Load
 from tests.chaos.servers import EventDisk
@@ -31,6 +33,7 @@ KINDS = [k for k in (os.environ.get("LMSP_CHAOS_FAULTS") or "").split(",") if k]
 SETTLE = float(os.environ.get("LMSP_CHAOS_SETTLE_SECONDS") or 420)  # after the faults, for every task to end
 # Shorter than production's 30 s so a run has room for many faults; heartbeats and sweeps keep its ratios.
 LEASE, HEARTBEAT, SWEEP, REQUEUE = 10, 2, 2, 5
+PARTITION, AHEAD = 60, 240
 MODEL = "smollm2-135m"
 PRINCIPAL = "chaos"
 T0 = time.monotonic()
@@ -62,7 +65,10 @@ class Cluster:
             "LMSP_LEASE_SECONDS": str(LEASE), "LMSP_HEARTBEAT_SECONDS": str(HEARTBEAT),
             "LMSP_SWEEP_SECONDS": str(SWEEP), "LMSP_REQUEUE_AFTER_SECONDS": str(REQUEUE),
             "LMSP_TASK_DELTA_WINDOW_MS": "200", "LMSP_DRAIN_SECONDS": "5", "LMSP_WORKER_METRICS_PORT": "0",
-            "VLLM_CPU_KVCACHE_SPACE": "1"})
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # Partition maintenance often (a period a minute, made 4 ahead: a pass every ~2 min), so the
+            # maintenance_kill fault finds one to kill and the checker's promise covers many passes.
+            "LMSP_EVENT_PARTITION_SECONDS": str(PARTITION), "LMSP_EVENT_PARTITIONS_AHEAD_SECONDS": str(AHEAD)})
         self.marker = f"LMSP_DATABASE_URL={url}".encode()  # every process of this run carries it
         run = uuid.uuid4().hex[:6]
         self.worker_ids = {"a": f"chaos-{run}-a", "b": f"chaos-{run}-b"}
@@ -95,11 +101,13 @@ class Cluster:
     def start_worker(self, name: str, wait: bool = False) -> None:
         log_file = self.worker_log(name)
         self.ready_from[name] = log_file.stat().st_size if log_file.exists() else 0
+        # Its connections carry its id (pg_stat_activity.application_name): maintenance_kill finds it so.
+        env = {"LMSP_DATABASE_URL": f"{self.stack.database_url}?application_name={self.worker_ids[name]}"}
         if wait:
-            self.workers[name] = self.stack.start_worker(MODEL, self.worker_ids[name])
+            self.workers[name] = self.stack.start_worker(MODEL, self.worker_ids[name], **env)
         else:
             self.workers[name] = self.stack.spawn([sys.executable, "-m", "worker", "--model", MODEL],
-                                                  log_file.name, LMSP_WORKER_ID=self.worker_ids[name])
+                                                  log_file.name, LMSP_WORKER_ID=self.worker_ids[name], **env)
 
     def start_api(self) -> None:
         self.stack.start_api(workers=1, threads=64, port=self.api_port)
@@ -248,6 +256,33 @@ class Cluster:
         finally:
             self.proxy.set_stall(link, False)
 
+    def _maintenance_kill(self, name, hold):
+        """kill -9 of whichever worker makes or drops partitions, as soon as one is seen in such a step
+        (a pass extends the periods about once a PARTITION), within 150 s; else of ``name``. Started
+        again after ``hold``."""
+        deadline, victim = time.monotonic() + 150, None
+        with psycopg.connect(self.db_direct, autocommit=True) as conn:
+            while victim is None and time.monotonic() < deadline:
+                rows = conn.execute("SELECT application_name FROM pg_stat_activity WHERE state IN ('active', "
+                                    "'idle in transaction') AND (query LIKE 'ALTER TABLE events %%' OR query LIKE "
+                                    "'CREATE TABLE IF NOT EXISTS \"events_p%%')").fetchall()
+                names = {wid for (wid,) in rows}
+                victim = next((n for n, wid in self.worker_ids.items() if wid in names), None)
+                time.sleep(0.002)
+        name = victim or name
+        self._worker_kill(name, hold)
+        return f"{'in maintenance' if victim else 'none seen in maintenance: killed anyway'}: {name}"
+
+    def _grammar_kill(self, _target, _hold):
+        import psutil
+        gone = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "api.grammar_pool" in cmd and _descends(proc.pid, self.api.pid):
+                proc.kill()
+                gone.append(proc.pid)
+        return f"killed {gone}" if gone else "no grammar helper up: nothing killed"
+
     def _disk_full(self, _target, hold):
         if self.disk_problem:
             return f"skipped: {self.disk_problem}"
@@ -284,6 +319,16 @@ class Cluster:
                          "why": f"owner {r[3]}: " + ("gone" if r[4] is None else
                                                      "stopped" if r[5] else f"heartbeat {r[4]:.0f}s old")}
                         for r in rows]
+
+    def partitions(self) -> dict:
+        """The event log's partitions at the end, as the checker reads the look-ahead's promise."""
+        with psycopg.connect(self.db_direct, autocommit=True) as conn:
+            now = conn.execute(partitions._NOW).fetchone()[0]
+            found = partitions.parts(conn)
+            detached = partitions._detached(conn)
+        return {"now": now, "promised": AHEAD / 2, "detached": detached,
+                "parts": [{"name": p.name, "low": p.low and id_time(p.low), "high": p.high and id_time(p.high),
+                           "pending": p.pending} for p in found]}
 
     def unfinished(self) -> int:
         with psycopg.connect(self.db_direct, autocommit=True, connect_timeout=5) as conn:
@@ -459,6 +504,7 @@ def main() -> int:
                    "directs": h.directs, "http": h.http, "ownerless": samples,
                    "idempotency": [{"key": k, "task_ids": sorted(v)} for k, v in h.keys.items()]}
         log("stopping every process")
+        history["partitions"] = cluster.partitions()
         history["leftovers"] = cluster.orphans + cluster.stop_all()
         history["exits"] = cluster.exits
     except BaseException:

@@ -16,6 +16,8 @@ A history is a dict of plain JSON values:
   worker that should have ended them was ready again
 * ``exits``: [{name, rc, t, why, tail}] a worker or api that ended on its own once ready, or would not
   end on SIGTERM
+* ``partitions``: {now, promised (seconds ahead), parts: [{name, low, high (id times; None: MIN/MAXVALUE),
+  pending}], detached: [table names]} the event log's partitions at the end of the run
 * ``lease_seconds``, ``sweep_seconds``
 """
 
@@ -278,6 +280,26 @@ def check_exits(exits: list) -> list[Violation]:
             for e in exits]
 
 
+def check_partitions(state: dict | None) -> list[Violation]:
+    """Every partition the look-ahead promises exists (issue 36): periods without a gap up to now plus the
+    promise, the tail past them, no detach left pending and no detached table left behind."""
+    if not state:
+        return []
+    out, parts = [], state["parts"]
+    for before, after in zip(parts, parts[1:], strict=False):
+        if before["high"] != after["low"]:
+            out.append(Violation("partitions", after["name"], "a gap before it", previous=before))
+    tail = parts[-1] if parts else None
+    if tail is None or tail["high"] is not None:
+        out.append(Violation("partitions", "events", "no tail partition", parts=parts))
+    elif tail["low"] < state["now"] + state["promised"]:
+        out.append(Violation("partitions", "events", "the look-ahead ran short",
+                             ahead=round(tail["low"] - state["now"]), promised=state["promised"]))
+    out += [Violation("partitions", p["name"], "left pending detach") for p in parts if p["pending"]]
+    out += [Violation("partitions", name, "detached and left behind") for name in state["detached"]]
+    return out
+
+
 def check(history: dict) -> list[Violation]:
     tasks = history.get("tasks", {})
     faults = history.get("faults", [])
@@ -292,6 +314,7 @@ def check(history: dict) -> list[Violation]:
                            history.get("sweep_seconds", 10))
     out += check_leftovers(history.get("leftovers", []))
     out += check_exits(history.get("exits", []))
+    out += check_partitions(history.get("partitions"))
     return out
 
 

@@ -14,6 +14,8 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[float, float] | None]] = {
     "proxy_cut": (("postgres", "redis"), (2, 15)),    # every connection reset, new ones refused
     "proxy_stall": (("postgres", "redis"), (2, 15)),  # bytes held, connections open
     "disk_full": (("events",), (5, 20)),         # the event log's tablespace has no free page
+    "maintenance_kill": (("a", "b"), (1, 8)),    # kill -9 of a worker in partition maintenance; started again
+    "grammar_kill": (("api",), (0, 0)),          # kill -9 of the api's grammar helpers and their spawner
 }
 
 

@@ -217,3 +217,25 @@ def test_the_schedule_is_the_seeds():
     assert {f["kind"] for f in a} == set(faults.KINDS)  # 20 minutes draw every kind
     assert all(f["at"] + f["hold"] <= 1200 - 20 for f in a)
     assert all(f["hold"] > 10 for f in a if f["kind"] == "worker_stop")  # past the lease
+
+
+def test_partitions_that_break_the_look_ahead_s_promise_are_violations():
+    def part(name, low, high, pending=False):
+        return {"name": name, "low": low, "high": high, "pending": pending}
+    good = {"now": 1000.0, "promised": 120.0, "detached": [],
+            "parts": [part("events_p0", None, 900.0), part("events_p900", 900.0, 1200.0),
+                      part("events_ptail", 1200.0, None)]}
+    assert checker.check_partitions(good) == []
+    assert checker.check_partitions(None) == []
+    short = copy.deepcopy(good)
+    short["parts"][-1]["low"] = short["parts"][-2]["high"] = 1100.0
+    gap = copy.deepcopy(good)
+    gap["parts"][1]["low"] = 950.0
+    left = copy.deepcopy(good)
+    left["parts"][0]["pending"], left["detached"] = True, ["events_p600"]
+    tailless = copy.deepcopy(good)
+    tailless["parts"].pop()
+    assert [v["what"] for v in checker.check_partitions(short)] == ["the look-ahead ran short"]
+    assert [v["what"] for v in checker.check_partitions(gap)] == ["a gap before it"]
+    assert [v["what"] for v in checker.check_partitions(left)] == ["left pending detach", "detached and left behind"]
+    assert [v["what"] for v in checker.check_partitions(tailless)] == ["no tail partition"]
