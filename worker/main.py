@@ -98,7 +98,8 @@ def build(model_ids: list[str], gpu: int | None, tensor_parallel: int = 1) -> Wo
     worker_id = settings.worker_id or f"{socket.gethostname()}:{','.join(model_ids)}" + \
         (f":gpu{gpu}" if gpu is not None else "")
     # A paused worker must not hold rows inside a transaction forever (a takeover waits on them).
-    connect = {"connect_args": {"options": "-c idle_in_transaction_session_timeout=5000"}} \
+    connect = {"connect_args": {"options": "-c idle_in_transaction_session_timeout=5000",
+                                "application_name": identity.APPLICATION.format(worker_id)[:63]}} \
         if settings.db_url.startswith(("postgres", "postgresql")) else {}
     engine = make_engine(settings.db_url, **connect)
     ensure_migrated(engine)
@@ -185,7 +186,8 @@ def run(models: str, gpu: int | None = None, tensor_parallel: int = 1) -> None:
         logs.setup()
         ctx = build(model_list(models), gpu, tensor_parallel)
     except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
-        sys.exit(f"lmsp worker: {exc}")
+        print(f"lmsp worker: {exc}", file=sys.stderr)
+        sys.exit(getattr(exc, "exit_code", 1))
     except Stopped as exc:
         log.info("stopped while loading the model")
         logging.shutdown()

@@ -11,6 +11,7 @@ SIGTERM (each drains its tasks) and the supervisor waits for all of them; a seco
 import argparse
 import ctypes
 import logging
+import math
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from common import logs
 from common.errors import LMSPError
 from common.registry import Registry
 from common.settings import ConfigError, get_settings
+from worker.identity import DuplicateWorker
 
 log = logging.getLogger("lmsp.supervisor")
 _PR_SET_PDEATHSIG = 1
@@ -115,6 +117,11 @@ class Supervisor:
     def _reap(self, child: Child, now: float) -> None:
         code, lived = child.proc.returncode, now - child.started
         child.proc = None
+        if code == DuplicateWorker.exit_code:   # its id is live elsewhere: refused once, not again
+            child.restart_at = math.inf
+            log.error("%s was refused: another process holds its id (its log says where); not starting it "
+                      "again: give this host its own hostname, then restart this service", child.worker_id)
+            return
         young = lived < self.stable_after
         child.backoff = min(self.max_backoff, max(self.min_backoff, child.backoff * 2)) if young else self.min_backoff
         child.restart_at = now + child.backoff

@@ -75,3 +75,49 @@ def test_doctor_names_what_fails_and_what_to_do(pg_url, redis_url, tmp_path):
         assert code == 1 and not ok and "run `lmsp migrate` first" in message
     finally:
         drop_database(fresh)
+
+
+def test_a_duplicate_worker_id_is_refused_once_saying_where_the_live_one_runs(pg_url, redis_url, tmp_path):
+    """A second host of the same hostname (or a copied id): its worker is refused with the address the live
+    one connects from and what to change, and exits EX_CONFIG (its supervisor does not start it again).
+    Simulated engines: the identity check is the worker's, not the engine's."""
+    import uuid
+
+    from tests.harness import Stack, model_entry
+    model = f"sim:dup{uuid.uuid4().hex[:8]}"
+    stack = Stack(tmp_path, pg_url, redis_url=redis_url, models=[
+        model_entry(model, engine={"kind": "sim", "ttft_ms": 50, "tokens_per_s": 20, "max_num_seqs": 4})])
+    try:
+        stack.start_worker(model, f"box:{model}", timeout=120)
+        proc = stack.spawn([sys.executable, "-m", "worker", "--model", model], "dup.log", LMSP_WORKER_ID=f"box:{model}")
+        assert proc.wait(120) == 78
+        text = (tmp_path / "dup.log").read_text()
+        assert f"another worker is running with id box:{model}" in text
+        assert "from 127.0.0.1; this process connects from 127.0.0.1" in text and "own name" in text, text[-2000:]
+    finally:
+        stack.close()
+
+
+def test_the_supervisor_does_not_restart_a_refused_worker(monkeypatch):
+    import time
+    from collections import Counter
+
+    from worker.supervisor import Supervisor
+
+    # GPU 0's worker is refused (78), GPU 1's crashes (1): only the crashed one is started again.
+    argv = [sys.executable, "-c", "import os, sys; sys.exit(78 if os.environ['CUDA_VISIBLE_DEVICES'] == '0' else 1)"]
+    sup = Supervisor(argv, [0, 1], host="box", min_backoff=0.05, max_backoff=0.05)
+    starts, start = Counter(), sup._start
+    monkeypatch.setattr(sup, "_start", lambda child: (starts.update([child.worker_id]), start(child)))
+    for child in sup.children:
+        sup._start(child)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:   # Supervisor.run's loop, without its signal handlers
+        now = time.monotonic()
+        for child in sup.children:
+            if child.proc is not None and child.proc.poll() is not None:
+                sup._reap(child, now)
+            if child.proc is None and now >= child.restart_at:
+                sup._start(child)
+        time.sleep(0.05)
+    assert starts["box:gpu0"] == 1 and starts["box:gpu1"] >= 3, starts
