@@ -1,4 +1,4 @@
-"""Handing a client's socket from the WSGI server to the process's fan-out thread (api/live.py).
+"""Handing a client's socket from the WSGI server to the process's fan-out thread (api/live/).
 
 ``api.serve.Worker`` (gunicorn gthread) offers ``environ[DETACH]``: a view's ``Handover`` response
 writes its head on the socket, hands the socket on, and tells gunicorn the request is over without

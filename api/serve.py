@@ -39,9 +39,9 @@ class Worker(ThreadWorker):
         app = self.wsgi
 
         def wsgi(environ, start_response):
-            # HTTP/1 over plain TCP only: a TLS socket or an HTTP/2 stream is not ours to write alone.
-            if not self.cfg.is_ssl and environ.get("SERVER_PROTOCOL") in ("HTTP/1.0", "HTTP/1.1") \
-                    and environ.get("HTTP_VERSION") != "2":
+            # HTTP/1 over plain TCP only: a TLS socket is not ours to write alone. The protocol is the
+            # request line's (SERVER_PROTOCOL); HTTP_VERSION would be a client's own "Version:" header.
+            if not self.cfg.is_ssl and environ.get("SERVER_PROTOCOL") in ("HTTP/1.0", "HTTP/1.1"):
                 environ[DETACH] = self.detached.add
             return app(environ, start_response)
         self.wsgi = wsgi

@@ -179,3 +179,6 @@ class Proxy:
 
 async def _as_coro(fn):
     return fn()
+
+
+WAN = Link(bits_per_s=1_000_000, latency=0.1)  # a long report tailed from a hotel or over a VPN (issue 33)

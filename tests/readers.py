@@ -1,6 +1,7 @@
 """Clients that follow a task's events as a person on a slow link would: one raw connection, read
 as it comes (or with a pause), then the whole body parsed, so the test sees exactly what the server
-sent (every id, repeats too, and whether the stream ended with the final event).
+sent (every id, repeats too, and whether the stream ended with the final event); and the long
+report they follow, made by a simulated engine.
 
 Used by the slow-link tests (tests/functional/test_slow_links.py) and make bench's B7.
 """
@@ -12,6 +13,10 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from tests.harness import model_entry, user
+
+# The worker writes each token as an event (a task's deltas are otherwise coalesced over 200 ms).
+REPORT_WORKER = {"LMSP_TASK_DELTA_WINDOW_MS": "0", "LMSP_DELTA_MAX_TOKENS": "1"}
 FINALS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 
 
@@ -33,6 +38,20 @@ class Stream:
     @property
     def final(self) -> bool:
         return bool(self.events) and self.events[-1][1] in FINALS
+
+
+def report_model(model: str, tokens: int) -> dict:
+    """A sim model whose every tick makes one text delta (an event) of one token, ~1,000 a second."""
+    return model_entry(model, context_window=tokens + 512, max_output_tokens=tokens, engine={
+        "kind": "sim", "max_num_seqs": 4, "ttft_ms": 10, "tokens_per_s": 1000, "tick_ms": 1})
+
+
+def start_report(client, model: str, tokens: int) -> dict:
+    """POST a report task of ``tokens`` tokens (``client``: tests.harness.Client); its 202 body."""
+    resp = client.post("/lmsp/v1/tasks", {"type": "response", "input": {
+        "model": model, "input": user("Write the annual report."), "max_output_tokens": tokens}})
+    assert resp.status_code == 202, resp.text
+    return resp.json()
 
 
 def request(path: str, token: str, ws: bool, headers: dict | None = None) -> bytes:
@@ -72,7 +91,8 @@ def follow(port: int, path: str, token: str, *, ws: bool, timeout: float = 300, 
     stream = Stream(nbytes=len(got), seconds=time.monotonic() - started)
     head, _, body = bytes(got).partition(b"\r\n\r\n")
     stream.status = int(head.split()[1]) if head.startswith(b"HTTP/") else 0
-    (_parse_ws if ws else _parse_sse)(body, stream)
+    if stream.status in (101, 200):
+        (_parse_ws if ws else _parse_sse)(body, stream)
     return stream
 
 
@@ -125,3 +145,19 @@ def _parse_sse(body: bytes, stream: Stream) -> None:
         fields = dict(line.split(": ", 1) for line in block.split("\n") if ": " in line and line[0] != ":")
         if "id" in fields and "event" in fields:
             stream.events.append((int(fields["id"]), fields["event"]))
+
+
+def follow_resuming(port: int, path: str, token: str, *, ws: bool, timeout: float = 120, pause_after: int = 0,
+                    pause: float = 0.0, rcvbuf: int = 0, most: int = 5) -> tuple[list[tuple[int, str]], int]:
+    """Follow to the final event as a client that reconnects does: after an end without it, again
+    from the last whole event (Last-Event-ID). The events of every connection, and how many it took."""
+    got: list[tuple[int, str]] = []
+    for n in range(1, most + 1):
+        last = got[-1][0] if got else 0
+        stream = follow(port, path, token, ws=ws, timeout=timeout, rcvbuf=rcvbuf,
+                        pause_after=pause_after if n == 1 else 0, pause=pause if n == 1 else 0.0,
+                        headers={"Last-Event-ID": str(last)} if last else None)
+        got += stream.events
+        if stream.final:
+            return got, n
+    return got, most

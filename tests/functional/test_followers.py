@@ -15,6 +15,7 @@ from common.db import make_engine, session_factory
 from tests import factories
 from tests.bench.followers import Followers
 from tests.harness import REDIS_URL
+from tests.readers import follow as follow_stream
 
 SSE, WS = 150, 50
 
@@ -101,3 +102,19 @@ def test_a_follower_that_stops_reading_is_cut_and_resumes_from_the_log(small, se
     resumed = Followers(port, f"/lmsp/v1/tasks/{tid}/events?after={complete[-2]}", token, 1, ws=False)
     resumed.pump(15)
     assert resumed.order[0] == list(range(complete[-2] + 1, 203)) and resumed.closed == {0}
+
+
+def test_a_clients_version_header_does_not_opt_out_of_the_handover(small, sessions):
+    """Issue 33, defect 4: the handover follows the request line's protocol, not a client's own
+    ``Version:`` header (HTTP_VERSION in WSGI): with ``Version: 2`` a WebSocket still gets its 101,
+    and SSE followers still hold no thread (this api streams on 2 threads at most)."""
+    base, port, token = small
+    tid, rid = _task(sessions)
+    ws = follow_stream(port, f"/lmsp/v1/tasks/{tid}/ws", token, ws=True, timeout=2, headers={"Version": "2"})
+    assert ws.status == 101 and ws.ids[:1] == [1], ws
+    sse = Followers(port, f"/lmsp/v1/tasks/{tid}/events", token, 6, ws=False)
+    sse.request = sse.request.replace(b"\r\n\r\n", b"\r\nVersion: 2\r\n\r\n")
+    deadline = time.monotonic() + 15
+    while len(sse.first) < 6 and time.monotonic() < deadline:
+        sse.pump(0.1)
+    assert len(sse.first) == 6, set(sse.status.values())

@@ -5,6 +5,7 @@ import threading
 import time
 
 from api.live import Hub, follow
+from api.live.reads import LogReader
 from common import eventlog, events
 from tests.harness import parse_sse
 
@@ -156,7 +157,7 @@ def test_event_streams_are_exactly_text_event_stream(unit, alice):
 
 
 def test_a_replay_longer_than_a_page_comes_whole_and_in_order(unit, alice, monkeypatch):
-    monkeypatch.setattr("api.live.PAGE", 2)  # 6 events and a stray: four reads
+    monkeypatch.setattr("api.live.reads.PAGE", 2)  # 6 events and a stray: four reads
     task = alice.task("succeeded")
     script = _script(task.response_id)
     alice.log(task, [*script, (events.TEXT_DELTA, events.text_delta(task.response_id, 0, "msg_1", "late"))])
@@ -184,10 +185,10 @@ def test_a_purge_during_a_replay_ends_with_an_error_event(unit, alice, monkeypat
     from sqlalchemy import update
 
     from common.tables import Task
-    monkeypatch.setattr("api.live.PAGE", 2)
+    monkeypatch.setattr("api.live.reads.PAGE", 2)
     task = alice.task("succeeded")
     alice.log(task, _script(task.response_id))
-    read, calls = Hub.read_log, []
+    read, calls = LogReader.page, []
 
     def purge_after_the_first_page(hub, response_id, after):
         calls.append(after)
@@ -198,7 +199,7 @@ def test_a_purge_during_a_replay_ends_with_an_error_event(unit, alice, monkeypat
                 session.commit()
         return read(hub, response_id, after)
 
-    monkeypatch.setattr(Hub, "read_log", purge_after_the_first_page)
+    monkeypatch.setattr(LogReader, "page", purge_after_the_first_page)
     received = parse_sse(alice.get(f"/lmsp/v1/tasks/{task.id}/events").get_data(as_text=True).split("\n"))
     assert [seq for seq, _, _ in received] == [1, 2, 2]
     assert received[-1][1] == events.ERROR and received[-1][2]["error"]["code"] == "event_history_expired"
@@ -219,7 +220,7 @@ def test_a_follower_that_is_not_read_falls_back_to_the_log_and_holds_its_bound(u
         alice.log(task, [(events.TEXT_DELTA, big)], first=seq)
         time.sleep(0.01)
     time.sleep(0.5)  # the polls deliver what is left
-    (follower,) = next(iter(hub._topics.values())).followers
+    (follower,) = hub.topic(task.response_id).followers
     assert follower.sink.queued < 20_000  # the bound and the batch that passed it, not the 40 KB written
     assert follower.state != "ended"
     alice.log(task, [script[-1]], first=40)

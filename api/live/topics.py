@@ -1,0 +1,131 @@
+"""The Redis side of the fan-out: a ``Topic`` per followed response (its followers in this process
+and the polls of its log), and the ``Listener``, the process's one Redis subscription.
+
+Only the listener thread connects or reconnects to Redis, never under the lock; (un)subscribe
+commands go out under the lock on a live connection only, so they stay ordered with a reconnect's
+resubscription, and socket timeouts bound them. What the listener hears goes to the fan-out thread
+through ``call``."""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from api.live.follower import LIVE
+from common.bus import HUB, channel, decode, response_of
+
+log = logging.getLogger("lmsp.live")
+PING_SECONDS = 5.0         # the listener pings Redis this often; silence for 3 pings means it is gone
+
+
+class Topic:
+    """The followers of one response in this process, and the polls of its log (fan-out thread only)."""
+
+    __slots__ = ("response_id", "followers", "head", "confirmed", "polling", "last_poll", "last_event",
+                 "last_ended", "waiting")
+
+    def __init__(self, response_id: str):
+        self.response_id = response_id
+        self.followers: set = set()
+        self.head = 0           # the highest seq this process has sent any follower of it
+        self.confirmed = False  # Redis confirmed the subscription
+        self.polling = False
+        self.last_poll = self.last_event = self.last_ended = time.monotonic()
+        self.waiting: list[tuple[float, object]] = []  # followers to begin once confirmed, with a deadline
+
+    def sample(self):
+        """A live follower, if any: while all of them read the log, their reads cover it."""
+        return next((f for f in self.followers if f.state == LIVE and f.began), None)
+
+
+class Listener:
+    """The Redis subscription: the channels of the followed responses, and its listener thread.
+
+    ``on_message(response_id, events)``, ``on_confirmed(response_id)`` and ``on_change()`` (Redis
+    came or went) run on the fan-out thread, by ``call``."""
+
+    def __init__(self, client: redis.Redis, call: Callable, on_message: Callable, on_confirmed: Callable,
+                 on_change: Callable):
+        self.client, self.call = client, call
+        self.on_message, self.on_confirmed, self.on_change = on_message, on_confirmed, on_change
+        self._lock = threading.Lock()
+        self._channels: set[str] = set()
+        self._pubsub = None
+        self.connected = False
+        threading.Thread(target=self._listen, name="lmsp-hub", daemon=True).start()
+
+    def subscribe(self, response_id: str) -> None:
+        with self._lock:
+            self._channels.add(response_id)
+            if self.connected:
+                self._send(lambda ps: ps.subscribe(channel(response_id)))
+
+    def unsubscribe(self, response_id: str) -> None:
+        with self._lock:
+            self._channels.discard(response_id)
+            if self.connected:
+                self._send(lambda ps: ps.unsubscribe(channel(response_id)))
+
+    def _send(self, fn) -> None:
+        try:
+            fn(self._pubsub)
+        except (redis.RedisError, OSError, AttributeError):
+            pass  # the listener notices the broken connection and resubscribes everything
+
+    def _connect(self) -> None:
+        pubsub = self.client.pubsub()
+        pubsub.subscribe(HUB)
+        with self._lock:
+            channels = [channel(rid) for rid in self._channels]
+            if channels:
+                pubsub.subscribe(*channels)
+            self._pubsub, self.connected = pubsub, True
+        self.call(self.on_change)  # followers read the log for what they missed, then go live
+        log.info("redis connected; followers are live")
+
+    def _disconnect(self) -> None:
+        with self._lock:
+            pubsub, self._pubsub, self.connected = self._pubsub, None, False
+        self.call(self.on_change)
+        log.warning("redis connection lost; followers read the log until it is back")
+        try:
+            pubsub.close()
+        except (redis.RedisError, OSError, AttributeError):
+            pass
+
+    def _listen(self) -> None:
+        heard = pinged = 0.0
+        while True:
+            if not self.connected:
+                try:
+                    self._connect()
+                except (redis.RedisError, OSError):
+                    time.sleep(1.0)
+                    continue
+                heard = pinged = time.monotonic()
+            try:
+                message = self._pubsub.get_message(timeout=1.0)
+                now = time.monotonic()
+                if now - pinged >= PING_SECONDS:
+                    self._pubsub.ping()
+                    pinged = now
+            except (redis.RedisError, OSError, ValueError, AttributeError):
+                self._disconnect()
+                continue
+            if message is None:
+                if now - heard > 3 * PING_SECONDS:
+                    self._disconnect()  # connected but silent: a hung Redis
+                continue
+            heard = now
+            self._heard(message)
+
+    def _heard(self, message: dict) -> None:
+        kind = message["type"]
+        if kind == "subscribe":
+            name = message["channel"].decode()
+            if name != HUB:
+                self.call(self.on_confirmed, response_of(name))
+        elif kind == "message":
+            self.call(self.on_message, response_of(message["channel"]), decode(message["data"]))

@@ -1,0 +1,49 @@
+"""What followers write (api/live/frames.py): a batch encoded once, as SSE chunks or WebSocket frames
+that a WebSocket client library reads back."""
+
+import json
+
+from wsproto.connection import Connection, ConnectionType
+from wsproto.events import TextMessage
+
+from api.live.frames import LAST_CHUNK, Batch, chunk, stream_error, ws_accept
+from common import events
+
+
+def _events(n: int, final: bool = False) -> list[tuple[int, str, str]]:
+    out = [(seq, events.TEXT_DELTA, events.dumps({"delta": "é" * seq})) for seq in range(1, n + 1)]
+    if final:
+        out.append((n + 1, events.COMPLETED, events.dumps({"status": "completed"})))
+    return out
+
+
+def test_a_batch_is_one_sse_chunk_encoded_once():
+    batch = Batch(_events(3))
+    data = batch.encoded(False)
+    assert data is batch.encoded(False)
+    size, _, rest = data.partition(b"\r\n")
+    assert int(size, 16) == len(rest) - 2 and rest.endswith(b"\r\n") and rest.count(b"id: ") == 3
+    assert chunk(b"") == b"0\r\n\r\n" == LAST_CHUNK
+
+
+def test_a_batch_as_websocket_frames_reads_back_as_one_message_an_event():
+    batch = Batch(_events(200, final=True))  # some frames over 125 bytes: 16-bit lengths
+    client = Connection(ConnectionType.CLIENT)
+    client.receive_data(batch.encoded(True))
+    docs = [json.loads(e.data) for e in client.events() if isinstance(e, TextMessage)]
+    assert [d["id"] for d in docs] == list(range(1, 202)) and docs[-1]["event"] == events.COMPLETED
+    assert batch.final == 200 and batch.contiguous
+
+
+def test_a_batch_knows_its_final_event_and_its_gaps():
+    batch = Batch([(1, events.TEXT_DELTA, "{}"), (3, events.COMPLETED, "{}")])
+    assert batch.final == 1 and not batch.contiguous
+
+
+def test_the_handshake_accept_is_rfc_6455s_example():
+    assert ws_accept("dGhlIHNhbXBsZSBub25jZQ==") == "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+
+
+def test_a_stream_error_is_an_sse_error_event_with_the_resume_id():
+    text = stream_error(7, {"type": "about:blank", "code": "x"})
+    assert text.startswith("id: 7\nevent: error\n") and text.endswith("\n\n")

@@ -1,0 +1,97 @@
+"""A handed-over socket (api/live/sinks.py) through the app's own WebSocket route, on a socket pair:
+the fan-out thread writes the server's end, the test is the client (issue 33, defects 2 and 4)."""
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+from wsproto.connection import Connection, ConnectionType
+from wsproto.events import CloseConnection, Ping, Pong
+
+from api.live.websocket import PING_FLOOD
+from tests.harness import wait_for
+
+WS_HANDSHAKE = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+                "Sec-WebSocket-Version": "13"}
+
+
+def _handed_over(caller, task_id: str, server_socket) -> None:
+    with pytest.raises(StopIteration):  # the app ends the request: the socket is the fan-out's
+        caller.get(f"/lmsp/v1/tasks/{task_id}/ws", headers=WS_HANDSHAKE,
+                   environ_overrides={"werkzeug.socket": server_socket})
+
+
+def _open(alice):
+    task = alice.task("running")
+    server, peer = socket.socketpair()
+    view = threading.Thread(target=_handed_over, args=(alice, task.id, server), daemon=True)
+    view.start()
+    peer.settimeout(5)
+    got = peer.recv(4096)
+    assert got.startswith(b"HTTP/1.1 101")
+    return server, peer, got.partition(b"\r\n\r\n")[2]
+
+
+def _close_code(peer, got: bytes) -> int | None:
+    """The code of the server's close frame, read raw (a client library would turn a broken close
+    into its own 1002); None if it closed without one or with a 1-byte payload."""
+    while True:
+        at = 0
+        while at + 2 <= len(got):  # server frames: unmasked, short here
+            opcode, n = got[at] & 0x0F, got[at + 1] & 0x7F
+            if n >= 126 or at + 2 + n > len(got):
+                break
+            if opcode == 0x8:
+                return struct.unpack("!H", got[at + 2:at + 4])[0] if n >= 2 else None
+            at += 2 + n
+        data = peer.recv(4096)
+        if not data:
+            return None
+        got += data
+
+
+def test_a_one_byte_close_payload_is_a_protocol_error_not_echoed(alice):
+    """RFC 6455 5.5.1: a close body starts with a 2-byte code; 1 byte breaks the protocol (1002)."""
+    server, peer, got = _open(alice)
+    with peer:
+        peer.sendall(b"\x88\x81\0\0\0\0\x03")
+        assert _close_code(peer, got) == 1002
+    wait_for(lambda: server.fileno() == -1, 10, "the fan-out kept the socket")
+
+
+def test_a_close_with_a_code_no_endpoint_may_send_is_1002(alice):
+    server, peer, got = _open(alice)
+    with peer:
+        peer.sendall(b"\x88\x82\0\0\0\0" + struct.pack("!H", 1005))  # 1005: never on the wire (7.4.1)
+        assert _close_code(peer, got) == 1002
+
+
+def test_a_ping_flood_from_a_client_that_does_not_read_is_closed_with_1008(alice):
+    """Issue 33, defect 2: pongs are not queued without bound for a client that never reads; the
+    flooder gets 1008 and its socket goes."""
+    server, peer, got = _open(alice)
+    client = Connection(ConnectionType.CLIENT)
+    ping = client.send(Ping(payload=b"x" * 100))
+    sent, deadline = 0, time.monotonic() + 10
+    with peer:
+        peer.settimeout(0.2)
+        try:
+            while sent < 20 * PING_FLOOD and time.monotonic() < deadline:
+                peer.sendall(ping * 10)  # never reads
+                sent += 10
+        except OSError:
+            pass  # the server closed: what it wrote before is still readable
+        peer.settimeout(5)
+        try:
+            while chunk := peer.recv(65536):  # the server's FIN follows its close frame
+                got += chunk
+        except OSError:
+            pass
+    reader = Connection(ConnectionType.CLIENT)
+    reader.receive_data(got)
+    seen = list(reader.events())
+    assert isinstance(seen[-1], CloseConnection) and seen[-1].code == 1008, seen[-3:]
+    assert sum(isinstance(e, Pong) for e in seen) < sent / 10  # one pong for the latest ping of a read
+    wait_for(lambda: server.fileno() == -1, 10, "the fan-out kept the flooder's socket")
