@@ -95,3 +95,74 @@ def test_a_ping_flood_from_a_client_that_does_not_read_is_closed_with_1008(alice
     assert isinstance(seen[-1], CloseConnection) and seen[-1].code == 1008, seen[-3:]
     assert sum(isinstance(e, Pong) for e in seen) < sent / 10  # one pong for the latest ping of a read
     wait_for(lambda: server.fileno() == -1, 10, "the fan-out kept the flooder's socket")
+
+
+# --- a SocketSink alone, on a socket pair, with a stand-in loop and follower ---------------------------
+
+class Loop:
+    def __init__(self):
+        self.draining = set()
+
+    def want_write(self, sock, sink, on):
+        pass
+
+    def unregister(self, sock):
+        pass
+
+
+class Follower:
+    response_id, more = "resp_1", False
+
+    def __init__(self):
+        self.ended = []
+
+    def end(self, how, exc=None, keep_socket=False):
+        self.ended.append(how)
+
+    def read_on(self):
+        pass
+
+
+def _sink(unit, **settings):
+    from api.live.sinks import SocketSink
+    server, peer = socket.socketpair()
+    server.setblocking(False)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sink = SocketSink(Loop(), unit.settings.model_copy(update=settings), server, True, "/x", lambda: None)
+    sink.follower = Follower()
+    return sink, peer
+
+
+def test_a_socket_sink_reads_more_below_its_low_water_mark_only(unit):
+    sink, peer = _sink(unit, follower_buffer_bytes=65536)
+    with peer:
+        sink.send(b"x" * 200_000)  # a replay page: far past what the kernel takes at once
+        assert sink.queued > 65536 and sink.behind() and not sink.wants_more()
+        while sink.queued >= 65536 // 2:
+            peer.recv(1 << 20)
+            sink.flush()
+        assert sink.wants_more() and not sink.behind()
+
+
+def test_progress_is_any_byte_the_kernel_took_and_only_a_stall_cuts(unit):
+    sink, peer = _sink(unit, follower_stall_seconds=60, ws_ping_seconds=10)
+    with peer:
+        sink.send(b"x" * 200_000)
+        sink.tick(sink.moved_at + 59)
+        assert sink.follower.ended == []
+        sink.pinged, sink.ws.answered = sink.moved_at - 100, False  # a ping long unanswered, behind a backlog
+        sink.tick(sink.moved_at + 30)
+        assert sink.follower.ended == []  # the bytes it takes prove it is there
+        sink.tick(sink.moved_at + 61)
+        assert sink.follower.ended == ["cut"]
+
+
+def test_a_pong_goes_before_the_queued_events_and_replaces_an_unsent_one(unit):
+    sink, peer = _sink(unit)
+    with peer:
+        sink.send(b"a" * 100_000)
+        sink.send(b"b" * 1000)
+        sink._urgent(b"\x8a\x01" + b"1")
+        sink._urgent(b"\x8a\x01" + b"2")
+        assert [bytes(item[:3]) for item in sink.out][1:] == [b"\x8a\x012", b"bbb"]
+        assert sink.queued == sum(len(item) for item in sink.out)
