@@ -186,8 +186,10 @@ def run(models: str, gpu: int | None = None, tensor_parallel: int = 1) -> None:
         logs.setup()
         ctx = build(model_list(models), gpu, tensor_parallel)
     except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
+        if not hasattr(exc, "exit_code"):
+            sys.exit(f"lmsp worker: {exc}")
         print(f"lmsp worker: {exc}", file=sys.stderr)
-        sys.exit(getattr(exc, "exit_code", 1))
+        sys.exit(exc.exit_code)   # one a supervisor must not restart (identity.DuplicateWorker)
     except Stopped as exc:
         log.info("stopped while loading the model")
         logging.shutdown()
