@@ -4,9 +4,11 @@ import threading
 import time
 
 from flask import Flask, Response, current_app, g, request
+from sqlalchemy.exc import DBAPIError
 
 from api.extensions import end_request_session, request_session, services
 from api.services import tickets
+from api.token_cache import TokenCache
 from common.errors import LMSPError
 from common.tokens import authenticate, hash_secret, is_active, well_formed
 
@@ -15,6 +17,9 @@ ONE_SESSION = {"tasks.create", "responses.create"}
 
 
 def init_app(app: Flask) -> None:
+    settings = app.extensions["lmsp"].settings
+    cache = TokenCache(settings.redis_url, settings.token_cache_seconds, on_revoked=_ended)
+
     @app.before_request
     def _authenticate():
         if _public(request.endpoint) or tickets.admit():  # admit: EventSource's stream ticket
@@ -30,9 +35,14 @@ def init_app(app: Flask) -> None:
             raise LMSPError("unauthorized", "The token is unknown or revoked")
         address, digest = request.remote_addr or "unknown", hash_secret(secret)
         svc.auth_failures.check(address, digest)  # an address that keeps guessing costs no lookup
-        identity = authenticate(request_session(), secret)
-        if request.endpoint not in ONE_SESSION:
-            end_request_session()  # a stream must not hold a connection (and a transaction) for its life
+        identity = cache.get(digest)
+        if identity is None:
+            begun = cache.begin()
+            identity = _look_up(secret)
+            if request.endpoint not in ONE_SESSION:
+                end_request_session()  # a stream must not hold a connection (and a transaction) for its life
+            if identity is not None:
+                cache.put(digest, identity, begun)
         if identity is None:
             svc.auth_failures.failed(address)
             raise LMSPError("unauthorized", "The token is unknown or revoked")
@@ -46,6 +56,18 @@ def init_app(app: Flask) -> None:
         release = g.pop("release_stream", None)
         if release is not None:
             release()
+
+
+def _look_up(secret: str):
+    """The token's identity from the database. A pooled connection that died unseen (the pool drops
+    one whose server closed it) gets one more try on a new one, rather than a 503."""
+    try:
+        return authenticate(request_session(), secret)
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+        end_request_session()
+        return authenticate(request_session(), secret)
 
 
 def _public(endpoint: str | None) -> bool:
@@ -89,6 +111,12 @@ def streamed(resp: Response) -> Response:
 
 _checked: dict[str, tuple[float, bool]] = {}  # token id -> (when, still valid): one lookup per token
 _checked_lock = threading.Lock()             # per interval, however many streams it holds open
+
+
+def _ended(token_id: str) -> None:
+    """A revoke announced: open streams of the token end at their next check, without a lookup."""
+    with _checked_lock:
+        _checked[token_id] = (time.monotonic(), False)
 
 
 def still_authorized():
