@@ -22,7 +22,7 @@ from common.db import Compiled, commit_lazily, db_now, run_batch
 from common.errors import LMSPError, problem
 from common.events import Sequence
 from common.ids import is_id, new_id
-from common.resources import is_background, response_object
+from common.resources import event_response, is_background
 from common.states import (
     CANCELLED,
     CANCELLING,
@@ -152,7 +152,7 @@ def create_task(session: Session, response: Response, task: Task, room: Room | N
     have none, and nothing is written. ``also``: rows (not added to the session) written exactly when
     the task is. ``commit``: commit the transaction too, on Postgres in the same round trip, so no
     round trip of ours falls inside the locks."""
-    seq, name, data = events.opening(response_object(response, queued=is_background(response)))
+    seq, name, data = events.opening(event_response(response, queued=is_background(response)))
     first = EventRow(response_id=response.id, seq=seq, name=name, data=data, created_at=time.time())
     steps = []
     if room is not None and session.get_bind().dialect.name == "postgresql":
@@ -195,7 +195,7 @@ def create_warmed(session: Session, response: Response) -> Response:
 
 # -- the final event ----------------------------------------------------------------------------
 _SHOWN = (Response.id, Response.created_at, Response.model, Response.output, Response.usage, Response.status,
-          Response.error, Response.incomplete_details, Response.previous_response_id)  # what response_object reads
+          Response.error, Response.incomplete_details, Response.previous_response_id)  # what event_response reads
 
 
 def _final(session: Session, response_id: str, status: R, *, first_seq: int | None = None, emitted=(),
@@ -211,7 +211,7 @@ def _final(session: Session, response_id: str, status: R, *, first_seq: int | No
     row = respond_returning(session, response_id, status, columns=_SHOWN, **values) or session.execute(
         select(*_SHOWN).where(Response.id == response_id)).one()
     name, data = events.final(response_id, status, usage=usage if status != R.CANCELLED else None,
-                              error=error, incomplete_details=incomplete, response=response_object(row))
+                              error=error, incomplete_details=incomplete, response=event_response(row))
     seq = Sequence(first_seq - 1 if first_seq is not None else eventlog.max_seq(session, response_id))
     batch = seq.number([*emitted, (name, data)])
     if logged:

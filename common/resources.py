@@ -1,5 +1,9 @@
 """The response (6.2) and task (7.1) objects of stored rows, as clients see them (common/wire.py)."""
 
+import logging
+
+from pydantic import ValidationError
+
 from common import timeline, wire
 from common.states import FAILED, SUCCEEDED
 from common.tables import Response, Task
@@ -15,11 +19,26 @@ def is_background(r: Response) -> bool:
     return bool((r.request or {}).get("background"))
 
 
+def event_response(r: Response, queued: bool = False) -> dict:
+    """``response_object`` for a lifecycle event (common/events.py), written in the transaction that
+    ends or creates the response: a row the wire model refuses (a partial usage a caller passed) is
+    shown as it is stored, never a reason for that write to fail."""
+    fields = _fields(r, queued)
+    try:
+        return wire.Response(**fields).wire()
+    except ValidationError as exc:
+        logging.getLogger("lmsp.resources").warning("response %s shown unchecked in its event: %s", r.id, exc)
+        return {"object": "response", **fields}
+
+
+def _fields(r: Response, queued: bool) -> dict:
+    return dict(id=r.id, created_at=int(r.created_at), model=r.model, output=r.output or [], usage=r.usage,
+                status="queued" if queued else "in_progress" if r.status == "queued" else r.status,
+                error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
+
+
 def _response(r: Response, queued: bool = False) -> wire.Response:
-    return wire.Response(
-        id=r.id, created_at=int(r.created_at), model=r.model, output=r.output or [], usage=r.usage,
-        status="queued" if queued else "in_progress" if r.status == "queued" else r.status,
-        error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
+    return wire.Response(**_fields(r, queued))
 
 
 def task_object(t: Task, r: Response | None, event_resume: bool = True, attempts=()) -> wire.Task:
