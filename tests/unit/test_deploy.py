@@ -324,3 +324,15 @@ def test_one_model_the_head_cannot_pull_does_not_keep_the_api_down(tmp_path):
     assert "not pulled: model gated:1" in done.stderr and "1 of 2 models not pulled (gated:1)" in done.stderr
     alone = subprocess.run([*lmsp, "models", "pull", "--all"], env=env, capture_output=True, text=True, timeout=120)
     assert alone.returncode == 1 and "here:1" not in alone.stdout   # without it: stops at the first
+
+
+def test_the_readmes_deployment_sections_state_the_driver_and_end_with_doctor():
+    readme = (ROOT / "README.md").read_text()
+    deploying = readme[readme.index("## Deploying"):readme.index("### What a scale-down")]
+    assert "CUDA 13" in deploying   # torch 2.13's CUDA wheels: the GPU hosts' driver must support it
+    sections = re.split(r"^### ", deploying, flags=re.M)[1:]
+    shapes = [s for s in sections if s.startswith(("1. ", "2. ", "3. "))]
+    assert len(shapes) == 3
+    for section in shapes:
+        assert "lmsp doctor" in section, section.splitlines()[0]
+    assert "psql" not in deploying and "keda-role.sql" not in deploying   # the migrate Job makes KEDA's role
