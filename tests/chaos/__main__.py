@@ -34,6 +34,9 @@ SETTLE = float(os.environ.get("LMSP_CHAOS_SETTLE_SECONDS") or 420)  # after the 
 # Shorter than production's 30 s so a run has room for many faults; heartbeats and sweeps keep its ratios.
 LEASE, HEARTBEAT, SWEEP, REQUEUE = 10, 2, 2, 5
 PARTITION, AHEAD = 60, 240
+# The migration below (this process's settings) makes the first periods: as short as the workers' own.
+os.environ["LMSP_EVENT_PARTITION_SECONDS"], os.environ["LMSP_EVENT_PARTITIONS_AHEAD_SECONDS"] = \
+    str(PARTITION), str(AHEAD)
 MODEL = "smollm2-135m"
 PRINCIPAL = "chaos"
 T0 = time.monotonic()
@@ -101,13 +104,11 @@ class Cluster:
     def start_worker(self, name: str, wait: bool = False) -> None:
         log_file = self.worker_log(name)
         self.ready_from[name] = log_file.stat().st_size if log_file.exists() else 0
-        # Its connections carry its id (pg_stat_activity.application_name): maintenance_kill finds it so.
-        env = {"LMSP_DATABASE_URL": f"{self.stack.database_url}?application_name={self.worker_ids[name]}"}
         if wait:
-            self.workers[name] = self.stack.start_worker(MODEL, self.worker_ids[name], **env)
+            self.workers[name] = self.stack.start_worker(MODEL, self.worker_ids[name])
         else:
             self.workers[name] = self.stack.spawn([sys.executable, "-m", "worker", "--model", MODEL],
-                                                  log_file.name, LMSP_WORKER_ID=self.worker_ids[name], **env)
+                                                  log_file.name, LMSP_WORKER_ID=self.worker_ids[name])
 
     def start_api(self) -> None:
         self.stack.start_api(workers=1, threads=64, port=self.api_port)
@@ -266,8 +267,8 @@ class Cluster:
                 rows = conn.execute("SELECT application_name FROM pg_stat_activity WHERE state IN ('active', "
                                     "'idle in transaction') AND (query LIKE 'ALTER TABLE events %%' OR query LIKE "
                                     "'CREATE TABLE IF NOT EXISTS \"events_p%%')").fetchall()
-                names = {wid for (wid,) in rows}
-                victim = next((n for n, wid in self.worker_ids.items() if wid in names), None)
+                # A worker's connections are named "lmsp-worker <its id>" (pg_stat_activity.application_name).
+                victim = next((n for n, wid in self.worker_ids.items() if any(wid in app for (app,) in rows)), None)
                 time.sleep(0.002)
         name = victim or name
         self._worker_kill(name, hold)
