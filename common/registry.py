@@ -212,9 +212,10 @@ def _agreed_snapshot(spec: ModelSpec, source: Source, patterns: list[str], updat
                 return folder
     except (SQLAlchemyError, ConfigError) as exc:
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        raise CheckpointMissing(f"model {spec.id}: cannot read or record the commit every host uses ({reason}); "
-                                "check LMSP_DATABASE_URL and run `lmsp migrate`, or pin `revision:` to a "
-                                "commit in the models file") from None
+        # Not this model's problem but the host's: no model is pulled (--keep-going does not pass it over).
+        raise ConfigError(f"model {spec.id}: cannot read or record the commit every host uses ({reason}); "
+                          "check LMSP_DATABASE_URL and run `lmsp migrate`, or pin `revision:` to a "
+                          "commit in the models file") from None
     folder = _hub_snapshot(spec, Source("hub", source.checkpoint, commit), local_only=False, patterns=patterns)
     revisions.point_branch(folder, source.revision)
     _resolved.pop((spec.id, source), None)

@@ -62,3 +62,19 @@ def test_every_host_pulls_and_serves_the_commit_the_first_pull_recorded(database
     assert done.returncode == 0 and done.stdout.strip().endswith(moved), done.stderr
     done = lmsp(host("a"), "models", "pull", "hub:1")   # a follows: it has no such snapshot offline
     assert done.returncode == 1 and moved in done.stderr and "HF_HUB_OFFLINE" in done.stderr
+
+
+def test_an_unmigrated_database_fails_the_pull_even_with_keep_going(tmp_path):
+    """The api pod's init container runs `pull --all --keep-going` and may run before the migrate Job: it
+    must fail (and be run again), not pass every model over and leave the api without tokenizers."""
+    url = create_database(prefix="lmsp_rev_bare")
+    try:
+        (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [
+            {"id": "hub:1", "checkpoint": DEFAULT_REPO, "context_window": 2048, "max_output_tokens": 256}]}))
+        lay_out_snapshot(CHECKPOINT, tmp_path / "hf")
+        done = lmsp({"HF_HOME": str(tmp_path / "hf"), "LMSP_DATABASE_URL": url,
+                     "LMSP_MODELS_FILE": str(tmp_path / "models.yaml"), "LMSP_HOME": str(tmp_path / "home")},
+                    "models", "pull", "--all", "--tokenizer-only", "--keep-going")
+        assert done.returncode == 1 and "run `lmsp migrate`" in done.stderr, done.stderr
+    finally:
+        drop_database(url)
