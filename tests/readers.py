@@ -40,10 +40,11 @@ class Stream:
         return bool(self.events) and self.events[-1][1] in FINALS
 
 
-def report_model(model: str, tokens: int) -> dict:
-    """A sim model whose every tick makes one text delta (an event) of one token, ~1,000 a second."""
+def report_model(model: str, tokens: int, rate: int = 1000) -> dict:
+    """A sim model whose every tick makes one text delta (an event) of one token, ``rate`` a second
+    (at 1,000 a loaded worker falls behind now and then and writes two tokens as one event)."""
     return model_entry(model, context_window=tokens + 512, max_output_tokens=tokens, engine={
-        "kind": "sim", "max_num_seqs": 4, "ttft_ms": 10, "tokens_per_s": 1000, "tick_ms": 1})
+        "kind": "sim", "max_num_seqs": 4, "ttft_ms": 10, "tokens_per_s": rate, "tick_ms": 1})
 
 
 def start_report(client, model: str, tokens: int) -> dict:

@@ -1,23 +1,31 @@
-"""Followers hold no api thread (api/live.py, api/handover.py): on a real gunicorn with 4 threads,
+"""Followers hold no api thread (api/live/, api/handover.py): on a real gunicorn with 4 threads,
 hundreds of SSE and WebSocket followers of one task all get every event once, in order, and end after
 the final one; a follower that stops reading is cut (once it has taken nothing for the stall bound),
 and resumes from the log. No engine: the test
 writes the task's log and publishes as a worker would. Cost: ~10 s (an api start, 2 token creations)."""
 
+import os
 import socket
+import threading
 import time
+from pathlib import Path
 
 import pytest
+from wsproto.connection import Connection, ConnectionType
+from wsproto.events import Ping
 
 from common import eventlog, events
 from common.bus import Publisher
 from common.db import make_engine, session_factory
 from tests import factories
-from tests.bench.followers import Followers
+from tests.bench.followers import Followers, rss_bytes
+from tests.bench.util import children
 from tests.harness import REDIS_URL
 from tests.readers import follow as follow_stream
+from tests.readers import request
 
 SSE, WS = 150, 50
+FLOOD_FOLLOWERS = 200
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +126,82 @@ def test_a_clients_version_header_does_not_opt_out_of_the_handover(small, sessio
     while len(sse.first) < 6 and time.monotonic() < deadline:
         sse.pump(0.1)
     assert len(sse.first) == 6, set(sse.status.values())
+
+
+def _api_worker(port: int) -> int:
+    """The pid of the api's gunicorn worker listening on ``port`` (it and its master hold the socket)."""
+    inodes = {line.split()[9] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+              if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"}  # 0A: LISTEN
+    holders = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd).strip("socket:[]") in inodes for fd in (entry / "fd").iterdir()):
+                holders.add(int(entry.name))
+        except OSError:
+            continue
+    (worker,) = [pid for pid in holders if not set(children(pid)) & holders]  # the master's child
+    return worker
+
+
+def _flood(port: int, tid: str, token: str, seconds: float, result: dict) -> None:
+    """A WebSocket client that sends masked pings as fast as it can and never reads."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(request(f"/lmsp/v1/tasks/{tid}/ws", token, ws=True))
+    ping = Connection(ConnectionType.CLIENT).send(Ping(payload=b"p" * 64)) * 256
+    result["pings"], started = 0, time.monotonic()
+    try:
+        while time.monotonic() - started < seconds:
+            sock.sendall(ping)
+            result["pings"] += 256
+    except OSError:
+        result["closed_after"] = time.monotonic() - started  # the server closed it
+    finally:
+        sock.close()
+
+
+def _lags(followers: Followers, written: dict[int, float], seqs) -> list[float]:
+    return sorted(seen[seq] - written[seq] for seen in followers.arrived.values() for seq in seqs if seq in seen)
+
+
+def test_a_ping_flood_is_closed_and_the_other_followers_do_not_notice(small, sessions):
+    """Issue 33, defect 2: a client flooding pings (and reading nothing) beside FLOOD_FOLLOWERS
+    ordinary followers is closed, the api's memory stays bounded, and the others' lag p99 stays
+    where it was (one fan-out thread serves them all)."""
+    base, port, token = small
+    tid, rid = _task(sessions)
+    publisher = Publisher(REDIS_URL)
+    followers = Followers(port, f"/lmsp/v1/tasks/{tid}/events", token, FLOOD_FOLLOWERS, ws=False)
+    deadline = time.monotonic() + 30
+    while len(followers.first) < FLOOD_FOLLOWERS and time.monotonic() < deadline:
+        followers.pump(0.1)
+    assert len(followers.first) == FLOOD_FOLLOWERS
+    api = _api_worker(port)
+    written: dict[int, float] = {}
+
+    def publish(first: int, n: int) -> range:
+        for seq in range(first, first + n):
+            written[seq] = time.time()
+            _write(sessions, publisher, rid, [(seq, events.TEXT_DELTA, events.dumps(
+                events.text_delta(rid, 0, "m", f"{seq} ")))])
+            followers.pump(0.05)
+        return range(first, first + n)
+
+    quiet = publish(2, 30)
+    rss = rss_bytes(api)
+    result: dict = {}
+    flooder = threading.Thread(target=_flood, args=(port, tid, token, 8.0, result), daemon=True)
+    flooder.start()
+    loud = publish(32, 30)
+    flooder.join(10)
+    followers.pump(1)
+    before, during = _lags(followers, written, quiet), _lags(followers, written, loud)
+    p99 = (before[int(len(before) * 0.99)], during[int(len(during) * 0.99)])
+    grew = rss_bytes(api) - rss
+    print(f"flood: {result}; lag p99 {p99[0] * 1000:.1f} ms before, {p99[1] * 1000:.1f} ms during; RSS +{grew >> 10} KiB")
+    assert "closed_after" in result, result  # the server closed the flooder
+    assert grew < 32 << 20, grew >> 20  # MiB: pongs are not piled up
+    assert len(during) == FLOOD_FOLLOWERS * 30  # every follower got every event
+    assert p99[1] <= max(2 * p99[0], p99[0] + 0.05), p99
+    followers.close()

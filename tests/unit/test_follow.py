@@ -1,4 +1,4 @@
-"""Following a response's events (api/live.py) on a SQLite log without Redis: replay, then live, each seq
+"""Following a response's events (api/live/follower.py, hub.py) on a SQLite log without Redis: replay, then live, each seq
 once and in order, closed after the final event; and the same through GET /tasks/{id}/events."""
 
 import threading
