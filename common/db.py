@@ -1,9 +1,11 @@
 """Database engine, sessions and migrations (Alembic, run from code)."""
 
 import re
+import select
 from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -12,7 +14,14 @@ from alembic.util import CommandError
 from psycopg import ClientCursor
 from sqlalchemy import Float, create_engine, event, text
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    InterfaceError,
+    InvalidatePoolError,
+    NoSuchModuleError,
+    OperationalError,
+)
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql.expression import FunctionElement
@@ -96,7 +105,30 @@ def _make_engine(url: str, **kwargs) -> Engine:
         kwargs.setdefault("pool_size", settings.db_pool_size)
         kwargs.setdefault("max_overflow", settings.db_max_overflow)
         kwargs.setdefault("pool_timeout", 30)
-    return create_engine(url, pool_pre_ping=True, **kwargs)
+        # No pre-ping (a round trip on every checkout): a connection is replaced when it gets old, or
+        # at checkout when its server has closed it (below).
+        kwargs.setdefault("pool_recycle", settings.db_pool_recycle_seconds)
+    engine = create_engine(url, **kwargs)
+    if engine.dialect.driver == "psycopg":
+        event.listen(engine, "checkout", _replace_if_closed)
+    return engine
+
+
+def _replace_if_closed(dbapi_conn, _record, _proxy) -> None:
+    """What pre-ping caught, without its round trip: a Postgres restart, or a failover, ends every
+    session, and the server closes its socket; an idle connection's socket that has anything to read
+    (the end, or the server's last words) is one the server left. The pool then connects anew, once,
+    and drops every connection as old (the same restart closed them)."""
+    try:
+        fd = None if dbapi_conn.closed else dbapi_conn.pgconn.socket
+    except psycopg.OperationalError:  # libpq has lost it already
+        fd = None
+    if fd is not None:
+        poll = select.poll()
+        poll.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+        if not poll.poll(0):
+            return
+    raise InvalidatePoolError("the server closed this pooled connection")
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     # api process holds its own, so a fleet needs sum(pool + overflow) within max_connections (or a pooler).
     db_pool_size: Count = 10
     db_max_overflow: int = Field(20, ge=0)
+    db_pool_recycle_seconds: Interval = 300.0  # a pooled connection older than this is replaced at checkout
     # Retention (spec 11.2).
     event_retention_seconds: int = 24 * 3600
     record_retention_seconds: int = 30 * 24 * 3600
