@@ -701,3 +701,12 @@ def test_api_sizing_counts_what_holds_a_thread_and_can_scale_on_it(rendered, tmp
     target = float(pods_metric["pods"]["target"]["averageValue"])
     assert 0 < target < threads - reserved   # scales out before a process refuses with 429
     assert "lmsp_api_held_threads" in known_metrics()
+
+
+def test_the_readmes_check_the_datastores_selector_they_apply():
+    """The policy selects pods by label: the README's check lists exactly the pods it selects."""
+    (policy,) = build(K8S / "datastores")
+    (expr,) = policy["spec"]["podSelector"]["matchExpressions"]
+    selector = f"{expr['key']} in ({','.join(expr['values'])})"
+    for readme in (ROOT / "README.md", K8S / "README.md"):
+        assert f"get pods -l '{selector}'" in readme.read_text(), readme
