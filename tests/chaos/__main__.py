@@ -33,7 +33,7 @@ KINDS = [k for k in (os.environ.get("LMSP_CHAOS_FAULTS") or "").split(",") if k]
 SETTLE = float(os.environ.get("LMSP_CHAOS_SETTLE_SECONDS") or 420)  # after the faults, for every task to end
 # Shorter than production's 30 s so a run has room for many faults; heartbeats and sweeps keep its ratios.
 LEASE, HEARTBEAT, SWEEP, REQUEUE = 10, 2, 2, 5
-PARTITION, AHEAD = 60, 240
+PARTITION, AHEAD = 30, 120
 # The migration below (this process's settings) makes the first periods: as short as the workers' own.
 os.environ["LMSP_EVENT_PARTITION_SECONDS"], os.environ["LMSP_EVENT_PARTITIONS_AHEAD_SECONDS"] = \
     str(PARTITION), str(AHEAD)
@@ -69,8 +69,8 @@ class Cluster:
             "LMSP_SWEEP_SECONDS": str(SWEEP), "LMSP_REQUEUE_AFTER_SECONDS": str(REQUEUE),
             "LMSP_TASK_DELTA_WINDOW_MS": "200", "LMSP_DRAIN_SECONDS": "5", "LMSP_WORKER_METRICS_PORT": "0",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            # Partition maintenance often (a period a minute, made 4 ahead: a pass every ~2 min), so the
-            # maintenance_kill fault finds one to kill and the checker's promise covers many passes.
+            # Partition maintenance often (periods of 30 s, made 2 minutes ahead: a pass extends them about
+            # once a minute), so maintenance_kill finds one to kill and the checker's promise covers many.
             "LMSP_EVENT_PARTITION_SECONDS": str(PARTITION), "LMSP_EVENT_PARTITIONS_AHEAD_SECONDS": str(AHEAD)})
         self.marker = f"LMSP_DATABASE_URL={url}".encode()  # every process of this run carries it
         run = uuid.uuid4().hex[:6]
@@ -327,7 +327,9 @@ class Cluster:
             now = conn.execute(partitions._NOW).fetchone()[0]
             found = partitions.parts(conn)
             detached = partitions._detached(conn)
-        return {"now": now, "promised": AHEAD / 2, "detached": detached,
+        # A pass keeps half the look-ahead; between passes (one a sweep interval, by any live worker) it
+        # wears down by up to an interval: a few intervals of slack.
+        return {"now": now, "promised": AHEAD / 2 - 5 * SWEEP, "detached": detached,
                 "parts": [{"name": p.name, "low": p.low and id_time(p.low), "high": p.high and id_time(p.high),
                            "pending": p.pending} for p in found]}
 

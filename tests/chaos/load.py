@@ -101,6 +101,12 @@ class Load:
         body = {"type": "response", "on_restart": policy, "input": {
             "model": self.model, "input": user(f"Write a short story about {rng.choice(TOPICS)}."),
             "temperature": round(rng.uniform(0, 1), 2), "max_output_tokens": rng.randint(16, 64)}}
+        if rng.random() < 0.1:  # structured output: the api's grammar gate checks it (the grammar_kill fault)
+            policy = body["on_restart"] = rng.choice(["fail", "retry"])  # a resume of JSON starts again
+            body["input"]["text"] = {"format": {"type": "json_schema", "name": "story", "schema": {
+                "type": "object", "properties": {"title": {"type": "string"}, "n": {"type": "integer"}},
+                "required": ["title"], "additionalProperties": False,
+                "description": f"story {rng.randint(0, 10**6)}"}}}  # a schema of its own: compiled, not cached
         key = f"chaos-{uuid.uuid4().hex}"
         task = self._submit(http, body, key, first=True)
         if task is None:
