@@ -39,7 +39,7 @@ def services() -> Services:
 
 def request_session() -> Session:
     """The request's one database session: authentication opens it and a short request's view goes
-    on in it (api.auth.ONE_SESSION), so the request checks out (and pre-pings) one pooled connection,
+    on in it (api.auth.ONE_SESSION), so the request checks out one pooled connection,
     not one per step. Closed at the end of the request, or by the view's ``with``."""
     from flask import g
     session = g.get("db_session")
