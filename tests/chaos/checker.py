@@ -176,7 +176,7 @@ def _during(faults: list, kinds: set, start: float, end: float) -> bool:
 
 
 BREAKS_A_STREAM = {"worker_kill", "worker_stop", "engine_kill", "postgres_restart", "proxy_cut", "proxy_stall",
-                   "disk_full"}
+                   "disk_full", "maintenance_kill"}  # maintenance_kill: a kill -9 of a worker too
 
 
 def check_directs(directs: list, faults: list, grace: float = 30) -> list[Violation]:
