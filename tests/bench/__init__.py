@@ -21,6 +21,9 @@ Figures (see ``__main__`` for the order they run in):
 * B6 interactive under load: time to first token of a streaming POST /responses, each of 10
   samples taken at a verified full batch (every slot past its first token) with 200 tasks queued,
   / the same with an idle queue; a note gives the background throughput this costs.
+* B7 slow link (``tests/bench/slowlink.py``, a simulated GPU): a 20,000-event report's SSE replay
+  through a throttling proxy (1 Mbit/s, 100 ms each way), wall time / the link's own bound (bytes /
+  bandwidth + latency); every event once, no reconnect.
 * D1 engine settings: the bare engine's tokens/s (32 requests x 64 tokens) at the dtype resolved
   for this machine / at bfloat16 (n/a where bf16 is native).
 * F1-F4 fair share (tests/bench/fairness.py, simulated GPUs): a tenant's 10 tasks after another's 500,

@@ -8,7 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.bench import ONLY, REPS, enabled, fairness, select
+from tests.bench import ONLY, REPS, enabled, fairness, select, slowlink
 from tests.bench import models as models_bench
 from tests.bench.util import (
     Freezer,
@@ -78,6 +78,7 @@ FIGURES = {
     "M1": ("api gunicorn workers peak RSS (VmHWM, each; lmsp serve's and B4b's)", "<= 200 MiB"),
     **fairness.FIGURES,
     **models_bench.FIGURES,
+    **slowlink.FIGURES,
 }
 
 
@@ -156,6 +157,8 @@ def main() -> int:
             guarded(table, figs("D1"), lambda: d1(table, entry, machine), log)
         if figs(*FAIRNESS):  # simulated GPUs: no engine takes the CPU
             guarded(table, figs(*FAIRNESS), lambda: fairness.figures(table, db_url, tmp / "fairness"), log)
+        if enabled("B7"):  # a simulated GPU: the link is what is measured
+            guarded(table, figs("B7"), lambda: slowlink.figures(table, db_url, tmp / "slowlink"), log)
 
         # ---- phase 2: engines, only one ever running -----------------------------------------------------
         # The idle side is frozen with SIGSTOP, so it takes no CPU, and the reps of the sides
