@@ -75,7 +75,10 @@ def _crash(cluster: PgCluster) -> None:
     """SIGKILL the server and every process of it (a stopped one too): a machine lost."""
     postmaster = _postmaster(cluster)
     for proc in [*postmaster.children(), postmaster]:
-        proc.kill()
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass  # a backend that ended between the listing and the kill (a client's commit done)
     psutil.wait_procs([postmaster], timeout=10)
 
 

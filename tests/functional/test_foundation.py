@@ -13,7 +13,7 @@ from tests.harness import ROOT, Client, user
 def test_import_gguf_registers_a_model_vllm_serves(imported, alice, model_id):
     entry = imported["entry"]
     assert entry["context_window"] == 8192  # SmolLM2's max_position_embeddings, read from the GGUF
-    assert "writing safetensors checkpoint" in imported["stderr"]  # progress is shown
+    assert "GGUF tensors one at a time" in imported["stderr"]  # progress is shown
     assert imported["stdout"] == ""  # stdout stays clean for scripts
     # The imported checkpoint loads in the real vLLM engine and answers a chat prompt.
     resp = alice.post("/lmsp/v1/responses", {"model": model_id, "input": user("What is the capital of France?"),

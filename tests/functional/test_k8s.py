@@ -513,6 +513,7 @@ def known_metrics() -> dict[str, set[str]]:
 
     from api.views.metrics import FAMILIES, PROCESS_FAMILIES
     from worker import metrics  # noqa: F401 - registers the worker's metrics
+    from common import partitions  # noqa: F401 - the worker's partition upkeep registers its gauge
 
     out = {name: set(labels) for name, (_, labels) in FAMILIES.items()}
     out |= dict.fromkeys(PROCESS_FAMILIES, set())
