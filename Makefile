@@ -67,7 +67,7 @@ SERVER_FREE_FUNCTIONAL := tests/functional/test_engine.py tests/functional/test_
 SERVER_FREE := tests/unit $(SERVER_FREE_FUNCTIONAL)
 # Tests that build a stack of their own: they follow the faults lane, which ends minutes before the rest.
 OWN_STACKS := tests/functional/test_models.py tests/functional/test_fleet.py tests/functional/test_fairshare.py \
-  tests/functional/test_openai_sdk.py
+  tests/functional/test_openai_sdk.py tests/functional/test_slow_links.py
 test: model browser
 	@$(BIN)/pytest -q -p no:cacheprovider --durations=5 --basetemp=$(VENV)/server-free-tmp $(SERVER_FREE) > $(FREE_LOG) 2>&1 & free=$$!; \
 	{ $(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/faults-tmp tests/faults; f=$$?; \

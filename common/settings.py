@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     max_queued_tasks_per_principal: int = 1000
     max_queue_depth: int = 10000
     # Requests that hold an api thread while they wait (direct responses, long polls, WebSocket-mode
-    # connections, and event streams where the socket cannot be handed over: api/live.py).
+    # connections, and event streams where the socket cannot be handed over: api/live/).
     stream_reserved_threads: int = 16   # per process, kept for health probes and short requests
     max_streams_per_principal: int = 32  # per process
     # Followers of task events handed to the process's fan-out thread: memory, not a thread, each.

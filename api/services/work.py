@@ -131,7 +131,7 @@ class DirectWatch:
             name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
                                       incomplete_details=row.incomplete_details, response=response_object(row))
         # Numbered by the follower (events.Sequence) after the last it sent; one that sent nothing yet
-        # puts response.created first (api/live.py).
+        # puts response.created first (api/live/).
         return [(name, dumps(data))]
 
     def _unstick(self, session: Session, row: Response) -> bool:

@@ -1,7 +1,7 @@
 """Following a task's events over SSE (7.4) or WebSocket, resumable with after / Last-Event-ID.
 
 The view checks the request (token, scope, task, capability, retention, stream caps) and then hands
-the client's socket to the process's fan-out thread (api/live.py, api/handover.py): a follower holds
+the client's socket to the process's fan-out thread (api/live/, api/handover.py): a follower holds
 no api thread. Where the server cannot hand a socket over, an SSE stream is read by its request
 thread instead (``follow``), with the same follower underneath.
 """

@@ -1,7 +1,7 @@
 """WebSocket mode of the Responses API: ``GET /lmsp/v1/responses`` upgraded (the OpenAI SDK's
 ``client.responses.connect()``), with flask-sock. A connection reads and writes for its whole life, so
 it holds its api thread (and a stream slot, as a direct stream does), plus a thread per lane at work
-(api/services/lanes.py); the fan-out thread of task followers (api/live.py) is not involved.
+(api/services/lanes.py); the fan-out thread of task followers (api/live/) is not involved.
 
 Everything that can refuse a connection is checked before the handshake, so a refusal is a problem
 document with its HTTP status; after it, errors are ``error`` events and the socket stays open.
