@@ -512,8 +512,8 @@ def known_metrics() -> dict[str, set[str]]:
     from prometheus_client import REGISTRY
 
     from api.views.metrics import FAMILIES, PROCESS_FAMILIES
-    from worker import metrics  # noqa: F401 - registers the worker's metrics
     from common import partitions  # noqa: F401 - the worker's partition upkeep registers its gauge
+    from worker import metrics  # noqa: F401 - registers the worker's metrics
 
     out = {name: set(labels) for name, (_, labels) in FAMILIES.items()}
     out |= dict.fromkeys(PROCESS_FAMILIES, set())
