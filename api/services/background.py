@@ -17,13 +17,12 @@ their process), it lives for the service's retention and survives a worker's cra
 """
 
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
 from api.services import idempotency
 from api.services.validation import Prepared
-from api.services.work import new_task
+from api.services.work import new_task_once
 from common import lifecycle
 from common.errors import LMSPError
 from common.resources import is_background, response_object
@@ -49,21 +48,14 @@ def on_restart(prepared: Prepared) -> str:
 
 
 def create(svc: Services, session: Session, principal: str, prepared: Prepared,
-           key: idempotency.Key | None) -> Task:
-    """The background response's task, committed within the queue limits (``work.new_task``); a
-    repeated Idempotency-Key gets the task it made. The caller sends it (``work.send_task``)."""
+           key: idempotency.Key | None) -> tuple[Task, bool]:
+    """The background response's task, committed within the queue limits, or the one a concurrent
+    request with the same Idempotency-Key made (``work.new_task_once``); the caller sends it if made."""
     if not prepared.spec.public_capabilities()["conversations"]:
         raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot keep responses (capability "
                         "conversations), and a background response is one that is kept", param="background",
                         capability="conversations")
-    try:
-        return new_task(svc, session, principal, prepared, on_restart(prepared), key)
-    except IntegrityError:
-        session.rollback()  # a concurrent request with the same key won the race
-        record = idempotency.existing(session, key) if key is not None else None
-        if record is None:
-            raise
-        return replayed(session, principal, idempotency.check_replay(record, key))
+    return new_task_once(svc, session, principal, prepared, on_restart(prepared), key)
 
 
 def replayed(session: Session, principal: str, record) -> Task:

@@ -10,6 +10,7 @@ import logging
 import time
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
@@ -195,6 +196,20 @@ def send_task(svc: Services, task: Task) -> None:
     A message lost here (process killed, broker down) is sent again by the workers' sweeper."""
     svc.sender.submit(dispatch, svc.celery, svc.registry.get(task.model).queue, {"task_id": task.id},
                       BACKGROUND)
+
+
+def new_task_once(svc: Services, session: Session, principal: str, prepared: Prepared, on_restart: str,
+                  key: idempotency.Key | None) -> tuple[Task, bool]:
+    """``new_task``, or the task a concurrent request with the same Idempotency-Key committed first
+    (9.2); the flag says whether this request made it, and so must send it (``send_task``)."""
+    try:
+        return new_task(svc, session, principal, prepared, on_restart, key), True
+    except IntegrityError:
+        session.rollback()  # a concurrent request with the same key won the race
+        record = idempotency.existing(session, key) if key is not None else None
+        if record is None:
+            raise
+        return get_task(session, principal, idempotency.check_replay(record, key).task_id), False
 
 
 def get_task(session: Session, principal: str, task_id: str) -> Task:

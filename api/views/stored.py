@@ -34,6 +34,7 @@ def create_background(body) -> Response:
     key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path, body)
     with request_session() as session:
         record = idempotency.existing(session, key) if key is not None else None
+        made = record is None
         if record is not None:  # the same request again (9.2): the response it made, as it is now
             task, stream = background.replayed(session, who, idempotency.check_replay(record, key)), False
         else:
@@ -43,11 +44,11 @@ def create_background(body) -> Response:
                 raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot stream a background "
                                 "response (capability event_resume); poll it instead", param="stream",
                                 capability="event_resume")
-            task = background.create(svc, session, who, prepared, key)
+            task, made = background.create(svc, session, who, prepared, key)
         obj = background.view(session, session.get(ResponseRow, task.response_id))
-    if record is None:
+    if made:
         send_task(svc, task)
-    if stream or (record is not None and body.get("stream") is True):
+    if stream or (not made and body.get("stream") is True):
         return follow_sse(*open_stream(svc, who, task.id), 0)
     return _json(obj)
 

@@ -3,7 +3,6 @@ import json
 import time
 
 from flask import Blueprint, Response, g, request
-from sqlalchemy.exc import IntegrityError
 
 from api import params
 from api.auth import hold_stream, principal
@@ -17,7 +16,7 @@ from api.services.work import (
     get_task,
     list_tasks_page,
     list_tasks_rows,
-    new_task,
+    new_task_once,
     page_etag,
     send_task,
     task_view,
@@ -73,16 +72,10 @@ def create():
         except LMSPError as exc:
             exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
             raise
-        try:
-            task = new_task(svc, session, who, prepared, envelope.on_restart, key)
-        except IntegrityError:
-            session.rollback()  # a concurrent request with the same key won the race
-            record = idempotency.existing(session, key) if key is not None else None
-            if record is None:
-                raise
-            return _replay(session, who, idempotency.check_replay(record, key))
+        task, made = new_task_once(svc, session, who, prepared, envelope.on_restart, key)
         doc = task_view(session, task, svc.registry)
-    send_task(svc, task)
+    if made:
+        send_task(svc, task)
     return _accepted(doc)
 
 
