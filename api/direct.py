@@ -123,6 +123,16 @@ def answer(status: int, body: str) -> Response:
     return problem_response({**json.loads(body), "status": status}, body=body)
 
 
+def replay(done: Done, frames: Callable[[Event], str] = lambda event: events.sse(*event), end: str = "") -> Response:
+    """A finished request's outcome again (9.2); a stream's, kept as its response object, is a stream
+    again in the caller's frames, its items each in one delta."""
+    if not done.stream or done.status != 200:
+        return answer(done.status, done.body)
+    numbered = events.Sequence().number(events.of_response(json.loads(done.body)))
+    return Response("".join(map(frames, numbered)) + end, content_type=events.SSE_TYPE,
+                    headers={"Cache-Control": "no-cache"})
+
+
 def kept_response(svc, response_id: str) -> str | None:
     """What a replay of a stream's Idempotency-Key sends again: its response object, failed ones too."""
     with svc.sessions() as session:

@@ -1,4 +1,3 @@
-import json
 
 from flask import Blueprint, Response, stream_with_context
 
@@ -44,18 +43,9 @@ def create():
     include_usage = chat.stream_options is not None and chat.stream_options.include_usage
     chunks = Chunks(chat.model, include_usage)
     if isinstance(run, direct.Done):
-        return _replay(run, chunks)
+        return direct.replay(run, chunks, DONE)
     if chat.stream:
         return streamed(Response(stream_with_context(direct.stream(run, chunks, DONE, chunks.failed)),
                                  content_type=events.SSE_TYPE,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
     return direct.wait(run, finish)
-
-
-def _replay(done: direct.Done, chunks: Chunks) -> Response:
-    """A finished request's outcome again (9.2): a stream's, kept as its response object, as chunks."""
-    if not done.stream or done.status != 200:
-        return direct.answer(done.status, done.body)
-    numbered = events.Sequence().number(events.of_response(json.loads(done.body)))
-    return Response("".join(map(chunks, numbered)) + DONE, content_type=events.SSE_TYPE,
-                    headers={"Cache-Control": "no-cache"})

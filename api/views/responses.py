@@ -1,4 +1,3 @@
-import json
 
 from flask import Blueprint, Response, stream_with_context
 
@@ -46,17 +45,9 @@ def create():
         return create_background(body)  # a durable task (api/views/stored.py)
     run = direct.begin(body)
     if isinstance(run, direct.Done):
-        return _replay(run)
+        return direct.replay(run)
     if run.prepared.request.stream:
         return streamed(Response(stream_with_context(direct.stream(run)), content_type=events.SSE_TYPE,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
     return direct.wait(run)
-
-
-def _replay(done: direct.Done) -> Response:
-    """A finished request's outcome again (9.2); a stream's is kept as its response object."""
-    if not done.stream or done.status != 200:
-        return direct.answer(done.status, done.body)
-    frames = [events.sse(*event) for event in events.Sequence().number(events.of_response(json.loads(done.body)))]
-    return Response("".join(frames), content_type=events.SSE_TYPE, headers={"Cache-Control": "no-cache"})
 
