@@ -37,12 +37,16 @@ from worker.gate import Delta, GatedHost, Request
 
 CORPUS_WORDS = 2048
 CHARS_PER_JSON_TOKEN = 4  # a structured document is streamed in pieces of about a token
+# A fault hook (the chaos run's poison request, tests/chaos): a prompt that carries CRASH_MARK kills the
+# engine once it has streamed CRASH_AFTER tokens in an admission, as a request that crashes a real engine
+# in decode does: every request in the engine fails with it, and the engine is dead.
+CRASH_MARK, CRASH_AFTER = "[sim: crash the engine in decode]", 4
 
 
 class _Stream:
     """One admitted request as the ticker advances it (loop thread only)."""
 
-    __slots__ = ("req", "out", "prompt_tokens", "pos", "doc", "limit", "t0", "base", "done")
+    __slots__ = ("req", "out", "prompt_tokens", "pos", "doc", "limit", "t0", "base", "done", "crash")
 
     def __init__(self, req: Request, out: queue.Queue, prompt_tokens: int, pos: int, doc: str | None, limit: int):
         self.req = req
@@ -54,9 +58,16 @@ class _Stream:
         self.t0 = 0.0             # when the first token of this admission is due
         self.base = 0             # tokens delivered before this admission
         self.done: asyncio.Future | None = None  # resolved with the finish reason that ends the admission
+        self.crash = False        # the fault hook's poison (CRASH_MARK)
+
+
+class SimEngineDied(RuntimeError):
+    """The fault hook's crash (CRASH_MARK)."""
 
 
 class SimEngine(GatedHost):
+    dead_errors = (SimEngineDied,)
+
     def __init__(self, checkpoint: str, settings: EngineSettings, tag: str | None = None, pin: bool = False):
         args = settings.args
         super().__init__(int(args.get("max_num_seqs", 64)), "sim-engine-loop")
@@ -100,6 +111,7 @@ class SimEngine(GatedHost):
             lo, hi = self.stop_after
             limit = min(limit, lo + zlib.crc32(text.encode()) % (hi - lo + 1))
         stream = _Stream(req, out, prompt_tokens, self._continue_at(text), doc, limit)
+        stream.crash = CRASH_MARK in text
         self._requests[req.request_id] = req
         while True:
             await self._admit(req)
@@ -168,6 +180,9 @@ class SimEngine(GatedHost):
             if now < s.t0:
                 continue
             done = len(s.req.output_ids)
+            if s.crash and done - s.base >= CRASH_AFTER:
+                self._crash(s.req.request_id)
+                return
             due = min(s.base + int((now - s.t0) * self.rate) + 1, s.limit)
             k = due - done
             if k <= 0:
@@ -188,6 +203,17 @@ class SimEngine(GatedHost):
             if finish is not None:
                 del self._streams[engine_id]
                 s.done.set_result(finish)
+
+    def _crash(self, request_id: str) -> None:
+        """The fault hook: the engine dies. The requests in it fail with the error (those prefilling are
+        marked so: worker/gate.py), then, once they have, those waiting for a slot are cancelled."""
+        self._closed = True
+        error = SimEngineDied(f"the simulated engine crashed in the decode of {request_id} (fault hook)")
+        for s in self._streams.values():
+            if not s.done.done():
+                s.done.set_exception(error)
+        self._streams.clear()
+        self._loop.call_soon(lambda: [pump.cancel() for pump in list(self._pumps)])
 
     def _words(self, pos: int, k: int) -> str:
         chain, n = self._chain, len(self._chain)
