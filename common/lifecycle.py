@@ -461,8 +461,7 @@ def hand_on(session: Session, task_id: str, *, error: dict, attempt: int | None 
     if attempt is not None:
         where.append(Task.attempt == attempt)
     if owner_expired_after is not None:
-        where.append(Task.worker_id.in_(select(Worker.id).where(
-            Worker.heartbeat_at < db_now() - owner_expired_after)))
+        where.append(Task.worker_id.in_(select(Worker.id).where(liveness.expired(owner_expired_after))))
     # Fence every earlier owner first: the row is ours from here to the commit.
     task = session.execute(update(Task).where(Task.id == task_id, *where).values(
         attempt=Task.attempt + 1, crashes=Task.crashes + int(crashed_after is not None)).returning(Task)

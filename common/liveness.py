@@ -51,10 +51,11 @@ def heartbeat(session: Session, worker_id: str, models: list[str], started_at: f
     session.flush()
 
 
-def heartbeat_of(session: Session, worker_id: str) -> tuple[float, float] | None:
-    """(the last heartbeat, its age by the database's clock) of a worker id that did not stop."""
+def lease_of(session: Session, worker_id: str, lease_seconds: float) -> tuple[float, float] | None:
+    """(the last heartbeat, its age by the database's clock) while a process holds ``worker_id``'s lease (it
+    did not stop, and its lease has not expired); None once the id is free."""
     row = session.execute(select(Worker.heartbeat_at, db_now() - Worker.heartbeat_at).where(
-        Worker.id == worker_id, Worker.stopped_at.is_(None))).one_or_none()
+        Worker.id == worker_id, Worker.stopped_at.is_(None), ~expired(lease_seconds))).one_or_none()
     return None if row is None else (row[0], row[1])
 
 

@@ -3,7 +3,7 @@
 A worker's id is what recovery goes by: at boot a worker hands on whatever its id ran and ends the
 engines its id left behind. A second process started with the id of a live worker (two workers on
 one GPU, a copied ``LMSP_WORKER_ID``) would do that to the live one, so it refuses to start. (A
-worker paused while another process took its id over exits when it wakes: ``recovery.heartbeat``.)
+worker paused while another process took its id over exits when it wakes: ``heart.beat``.)
 """
 
 import logging
@@ -29,8 +29,8 @@ def ensure_sole(sessions, worker_id: str, lease_seconds: float, heartbeat_second
     does not tell a live worker from one killed a moment ago (then restarted with its id, as a
     supervisor does): watch it for two heartbeats."""
     with sessions() as session:
-        seen = liveness.heartbeat_of(session, worker_id)
-    if seen is None or seen[1] > lease_seconds:
+        seen = liveness.lease_of(session, worker_id, lease_seconds)
+    if seen is None:
         return  # never ran, stopped cleanly, or dead for a lease
     window = 2 * heartbeat_seconds + 1
     log.info("worker id %s heartbeated %.1f s ago; checking for %.0f s that no other process uses it",
@@ -39,7 +39,7 @@ def ensure_sole(sessions, worker_id: str, lease_seconds: float, heartbeat_second
     while time.monotonic() < deadline:
         time.sleep(min(0.5, heartbeat_seconds / 2))
         with sessions() as session:
-            now = liveness.heartbeat_of(session, worker_id)
+            now = liveness.lease_of(session, worker_id, lease_seconds)
         if now is not None and now[0] != seen[0]:
             raise DuplicateWorker(
                 f"another worker is running with id {worker_id} (it heartbeated {max(now[1], 0.0):.1f} s "

@@ -66,4 +66,4 @@ def test_a_worker_whose_id_was_taken_over_is_told_at_its_next_heartbeat(sessions
         beat(sessions, "gpu0", 1.0)
     beat(sessions, "gpu0", 2.0)              # the new holder heartbeats on
     with sessions() as session:
-        assert liveness.heartbeat_of(session, "gpu0") is not None
+        assert liveness.lease_of(session, "gpu0", LEASE) is not None
