@@ -95,9 +95,9 @@ class EngineHost(GatedHost):
                 os.environ.pop(name, None)  # set anew: the environment's last entry (see engine_markers)
                 os.environ[name] = value
         args = AsyncEngineArgs(
-            **{"enforce_eager": True, **self._engine_args},
+            # Priority scheduling by default: a person's request (GenParams.priority) outranks tasks.
+            **{"enforce_eager": True, "scheduling_policy": "priority", **self._engine_args},
             model=self._checkpoint,
-            scheduling_policy="priority",
             enable_prefix_caching=True,  # resume re-submits prompt + output so far
         )
         before = set(multiprocessing.active_children())
