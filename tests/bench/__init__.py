@@ -20,7 +20,9 @@ Figures (see ``__main__`` for the order they run in):
   plain SELECT of the same rows.
 * B6 interactive under load: time to first token of a streaming POST /responses, each of 10
   samples taken at a verified full batch (every slot past its first token) with 200 tasks queued,
-  / the same with an idle queue; a note gives the background throughput this costs.
+  / the same with an idle queue. B6t: what a person costs the background, per sample two windows of
+  5 s at a full batch, one from a person's request on and one without (alternating which is first): the
+  background's tokens (the worker's LMSP_TRACE_TOKEN_TIMES) in the one / in the other.
 * B7 slow link (``tests/bench/slowlink.py``, a simulated GPU): a 20,000-event report's SSE replay
   through a throttling proxy (1 Mbit/s, 100 ms each way), wall time / the link's own bound (bytes /
   bandwidth + latency); every event once, no reconnect.
@@ -36,6 +38,10 @@ Figures (see ``__main__`` for the order they run in):
 * V1-V3 side by side with vLLM's own OpenAI server (same checkpoint, same resolved engine
   arguments): 64 x 128-token tasks / the same chat completions against it; 64 concurrent
   POST /responses / the same; TTFT p50 of 30 sequential 8-token streams minus its own.
+  V1c: CPU seconds (user + system, /proc) per output token in V1's reps, every process of each side,
+  the service / vLLM's server: the service's api (gunicorn master and workers), worker, engine
+  processes, and its Postgres and Redis servers whole (background processes too: an upper bound);
+  vLLM's api server and its children; the bench's clients on neither side. V2's the same, a note.
 
 Every figure is PASS, FAIL or n/a (n/a only where this machine lacks what the figure needs);
 ratios are the median of at least 5 interleaved reps, shown with their min-max; a side whose
@@ -46,7 +52,8 @@ and the same CPU pinning, stated above the table (see ``tests.bench.verdict``).
 Selecting figures: ``python -m tests.bench B3 B5`` (or ``LMSP_BENCH_ONLY=B3,B5``); B0 (one request's
 tokens/s) and B1H (the worker's EngineHost on B1's engine, a third side) run only when named. Knobs (environment): ``LMSP_BENCH_REPS`` (default 5, at least 5 for a
 ratio to pass), ``LMSP_BENCH_OUT`` (default ``bench-results.json`` at the repository root),
-``LMSP_BENCH_DTYPE`` (default float32: outputs are compared, and bf16 kernels are not batch-invariant).
+``LMSP_BENCH_DTYPE`` (default float32: outputs are compared, and bf16 kernels are not batch-invariant),
+``LMSP_BENCH_ENGINE_ARGS`` (JSON engine arguments over the pinned ones, on every side: an engine lever's A/B).
 """
 
 import os

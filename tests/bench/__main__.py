@@ -13,7 +13,6 @@ from tests.bench import models as models_bench
 from tests.bench.util import (
     Freezer,
     affinity,
-    cpu_seconds,
     descendants,
     engine_compute_cpus,
     essay_prompt,
@@ -42,7 +41,7 @@ B4_CLIENTS, B4_TOKENS = int(os.environ.get("LMSP_BENCH_B4_CLIENTS", "1000")), 12
 B4_REPS = int(os.environ.get("LMSP_BENCH_B4_REPS", "3"))  # a p99, not a ratio: 3 tasks of 1000 followers
 B4_MIN_SAMPLES = 1000  # (event, follower) lags per rep, below which a p99 says nothing
 B5_EVENTS = 100_000
-B6_QUEUED, B6_LOAD_TOKENS, B6_SAMPLES, B6_QUIET_SECONDS = 200, 128, 10, 10.0
+B6_QUEUED, B6_LOAD_TOKENS, B6_SAMPLES, B6_WINDOW_SECONDS = 200, 128, 10, 5.0
 KV_CACHE_GIB = 1  # 23k tokens at float32: a full batch of 64 x (40 + 128) needs 11k; two engines load at once
 DTYPE = os.environ.get("LMSP_BENCH_DTYPE", "float32")
 # Pinned on every side: vLLM's defaults differ between its server and AsyncLLM on large GPUs
@@ -50,6 +49,9 @@ DTYPE = os.environ.get("LMSP_BENCH_DTYPE", "float32")
 # 0.9 of a card. On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE (KV_CACHE_GIB) on every side.
 ENGINE_ARGS = {"dtype": DTYPE, "max_model_len": 2048, "max_num_seqs": 64, "enforce_eager": True,
                "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.4}
+# An engine lever's arguments over these, on every side, for A/B runs of the same bench code
+# (LMSP_BENCH_ENGINE_ARGS='{"max_num_batched_tokens": 128}').
+ENGINE_ARGS.update(json.loads(os.environ.get("LMSP_BENCH_ENGINE_ARGS") or "{}"))
 # Production settings for every process (tests.harness.Stack sets short test leases).
 PRODUCTION_ENV = {"LMSP_LEASE_SECONDS": "30", "LMSP_HEARTBEAT_SECONDS": "5", "LMSP_SWEEP_SECONDS": "10",
                   "LMSP_REQUEUE_AFTER_SECONDS": "60", "LMSP_TASK_DELTA_WINDOW_MS": "200"}
@@ -69,12 +71,14 @@ FIGURES = {
     "B2": ("first-token overhead over bare AsyncLLM, p50", "<= 30 ms"),
     "V1": (f"{B1_TASKS} tasks x {B1_TOKENS} tok ÷ vLLM server", ">= 1.0"),
     "V2": (f"{B1_TASKS} concurrent POST /responses ÷ vLLM server", ">= 0.95"),
+    "V1c": ("CPU-s per output token of every process, V1's tasks ÷ vLLM server", "<= 1.03"),
     "V3": ("TTFT over vLLM server, p50", "<= 10 ms"),
     "B4": (f"fan-out {B4_CLIENTS} SSE followers, p99 lag engine token -> follower (lmsp serve settings)",
            "<= 100 ms, all served"),
     "B4b": (f"fan-out {B4_CLIENTS} SSE followers, p99 lag engine token -> follower (a slot per follower)",
             "<= 100 ms, all served"),
     "B6": (f"interactive TTFT, {B6_QUEUED} queued + full batch ÷ idle", "<= 2"),
+    "B6t": (f"B6's background tokens/s, {B6_WINDOW_SECONDS:g} s from a person's request on ÷ without", ">= 0.8"),
     "M1": ("api gunicorn workers peak RSS (VmHWM, each; lmsp serve's and B4b's)", "<= 200 MiB"),
     **fairness.FIGURES,
     **models_bench.FIGURES,
@@ -86,7 +90,7 @@ def figs(*ids: str) -> list[tuple[str, str, str]]:
     return [(f, *FIGURES[f]) for f in ids if enabled(PART_OF.get(f, f))]
 
 
-PART_OF = {"B4b": "B4", "T1": "B1"}  # measured by another figure's run
+PART_OF = {"B4b": "B4", "T1": "B1", "V1c": "V1", "B6t": "B6"}  # measured by another figure's run
 FAIRNESS = tuple(fairness.FIGURES)
 
 
@@ -163,7 +167,7 @@ def main() -> int:
         # ---- phase 2: engines, only one ever running -----------------------------------------------------
         # The idle side is frozen with SIGSTOP, so it takes no CPU, and the reps of the sides
         # alternate, so the noise of this shared machine falls on all alike.
-        phase2 = figs("B1", "B2", "V1", "V2", "V3", "B4", "B4b", "B6")
+        phase2 = figs("B1", "B2", "V1", "V1c", "V2", "V3", "B4", "B4b", "B6", "B6t")
         if phase2 or enabled("B0"):
             sides = Sides(run, meta)
             try:
@@ -250,32 +254,25 @@ class Sides:
             self.engine = None
 
 
-class CpuMeter:
-    """CPU seconds (user + system) used by groups of processes between construction and read()."""
+def cpu_meter(groups: dict):
+    """CPU seconds (user + system, from /proc) of groups of processes from now to its stop(): fleet's
+    Meter (imported here, where it is used: tests.bench.fleet imports this module)."""
+    from tests.bench.fleet import Meter
+    return Meter(groups).start()
 
-    def __init__(self, groups: dict):
-        self.groups = groups
-        self.start = {name: self._total(fn) for name, fn in groups.items()}
 
-    @staticmethod
-    def _total(fn) -> float:
-        total = 0.0
-        for pid in fn():
-            try:
-                total += cpu_seconds(pid)
-            except OSError:
-                pass
-        return total
-
-    def read(self) -> dict:
-        return {name: round(self._total(fn) - self.start[name], 1) for name, fn in self.groups.items()}
+def cpu_used(meter) -> dict:
+    return {name: round(cpu, 2) for name, cpu in meter.stop().items() if name != "seconds"}
 
 
 def service_cpu(run) -> dict:
-    """The service's process groups, for CpuMeter."""
-    from tests.bench import service as svc
-    return {"worker main process": lambda: tree(run.worker_proc)[:1],
-            "engine processes": lambda: tree(run.worker_proc)[1:], "api workers": lambda: svc.api_workers(run)}
+    """Every process of the service, for cpu_meter: the api (gunicorn master and workers), the worker,
+    its engine's processes, and the Postgres and Redis servers it writes to and publishes on, whole
+    (their background processes too; no other stack runs beside the bench: an upper bound)."""
+    from tests.bench.fleet import server
+    return {"api": lambda: tree(run.api_proc), "worker main process": lambda: tree(run.worker_proc)[:1],
+            "engine processes": lambda: tree(run.worker_proc)[1:], "postgres": server("postgres"),
+            "redis": server("redis-server")}
 
 
 def wait_ready(run, timeout: float = 60) -> None:
@@ -321,9 +318,9 @@ def engine_phase(run, table: Table, sides: Sides, entry: dict, resolved) -> None
     sides.use("service")
     # The cheaper figures first: a run cut short (SIGTERM) still has them.
     if enabled("B6"):
-        guarded(table, figs("B6"), lambda: b6(run, table), log)
+        guarded(table, figs("B6", "B6t"), lambda: b6(run, table), log)
     if any(enabled(f) for f in ("V1", "V2", "V3")):
-        guarded(table, figs("V1", "V2", "V3"), lambda: vllm_figures(run, table, sides, entry["checkpoint"],
+        guarded(table, figs("V1", "V1c", "V2", "V3"), lambda: vllm_figures(run, table, sides, entry["checkpoint"],
                                                                     resolved), log)
     if enabled("B4"):
         guarded(table, figs("B4", "B4b"), lambda: b4(run, table), log)
@@ -382,13 +379,13 @@ def b1(run, table: Table, sides: Sides, encode) -> None:
         for side in rotated(["engine", "host", "service"] if enabled("B1H") else ["engine", "service"], rep):
             if side == "service":
                 sides.use("service")
-                cpu = CpuMeter(service_cpu(run))
+                cpu = cpu_meter(service_cpu(run))
                 r = svc.tasks_round(run, texts, B1_TOKENS)
             else:
                 sides.use("engine")
-                cpu = CpuMeter({"engine-alone processes": sides.engine.pids})
+                cpu = cpu_meter({"engine-alone processes": sides.engine.pids})
                 r = sides.engine.batch(prompts, B1_TOKENS, mode="bare" if side == "engine" else "host")
-            r["cpu_s"] = cpu.read()
+            r["cpu_s"] = cpu_used(cpu)
             got[side].append(r)
             log(f"B1 rep {rep + 1}/{REPS} {side}: {r['tokens']} tokens in {r['elapsed']:.1f}s = "
                 f"{r['tokens_per_s']:.1f} tok/s; CPU s {r['cpu_s']}")
@@ -504,16 +501,18 @@ def vllm_figures(run, table: Table, sides: Sides, checkpoint: str, resolved) -> 
                 for side in rotated(["vllm", "tasks", "responses"], rep):
                     sides.use("vllm" if side == "vllm" else "service")
                     if side == "vllm":
-                        cpu = CpuMeter({"vLLM server processes": server.pids})
+                        cpu = cpu_meter({"vLLM api server": lambda: server.pids()[:1],
+                                         "vLLM engine processes": lambda: server.pids()[1:]})
                         got[side].append(server.batch(texts, B1_TOKENS))
                     else:
-                        cpu = CpuMeter(service_cpu(run))
+                        cpu = cpu_meter(service_cpu(run))
                         fn = svc.tasks_round if side == "tasks" else svc.responses_round
                         got[side].append(fn(run, texts, B1_TOKENS))
-                    got[side][-1]["cpu_s"] = cpu.read()
+                    got[side][-1]["cpu_s"] = cpu_used(cpu)
                     log(f"V rep {rep + 1}/{REPS} {side}: {got[side][-1]['tokens_per_s']:.1f} tok/s "
                         f"(CPU s {got[side][-1]['cpu_s']})")
             throughput_figures(table, got, sides.unequal())
+            cpu_figure(table, got)
     finally:
         sides.drop("vllm", lambda: run.stack.stop(server.proc))
         sides.use("service")
@@ -530,6 +529,25 @@ def throughput_figures(table: Table, got: dict, unequal: str | None) -> None:
         table.add_reps(fid, FIGURES[fid][0], FIGURES[fid][1], lambda m, f=floor: m >= f, ratios,
                        service=f"{median(rate[key]):.1f} tok/s", baseline=f"{median(rate['vllm']):.1f} tok/s",
                        problems=mine, details=details)
+
+
+def cpu_figure(table: Table, got: dict) -> None:
+    """V1c: CPU seconds per output token of every process of each side in V1's reps (the bench's own
+    clients on neither), the service's tasks ÷ vLLM's server, rep by rep; V2's direct requests a note."""
+    per_token = {k: [sum(r["cpu_s"].values()) / r["tokens"] for r in v] for k, v in got.items()}
+    name, goal = FIGURES["V1c"]
+    ratios = {k: [s / v for s, v in zip(per_token[k], per_token["vllm"], strict=True)] for k in ("tasks", "responses")}
+    table.add_reps("V1c", name, goal, lambda m: m <= 1.03, ratios["tasks"],
+                   service=f"{1000 * median(per_token['tasks']):.2f} CPU-ms/tok",
+                   baseline=f"{1000 * median(per_token['vllm']):.2f} CPU-ms/tok",
+                   details={"cpu_s": {k: [r["cpu_s"] for r in v] for k, v in got.items()}})
+    if ratios["responses"]:
+        s = spread(ratios["responses"])
+        table.note(f"V2c CPU per output token, {B1_TASKS} concurrent POST /responses ÷ vLLM server: "
+                   f"{s[0]:.3f} ({s[1]:.3f}-{s[2]:.3f})")
+    for side, reps in got.items():
+        ms = {g: 1000 * median([r["cpu_s"][g] / r["tokens"] for r in reps]) for g in reps[0]["cpu_s"]} if reps else {}
+        table.note(f"V1c {side} CPU-ms per output token by process: " + ", ".join(f"{g} {v:.3f}" for g, v in ms.items()))
 
 
 def ttft_figure(run, table: Table, server, sides: Sides) -> None:
@@ -659,65 +677,76 @@ def b6(run, table: Table) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.bench import service as svc
-    full = ENGINE_ARGS["max_num_seqs"]
     idle = [svc.stream_ttft(run, B2_PROMPT, B2_TOKENS)["ttft"] for _ in range(max(REPS, MIN_REPS))]
     log(f"B6 idle TTFT: {[round(1000 * x) for x in idle]} ms")
-    loaded, states, problems = [], [], []
-    n = 0
+    loaded, kept, states, problems = [], [], [], []
     try:
         with ThreadPoolExecutor(16) as pool:
-            def top_up():
-                nonlocal n
-                missing = B6_QUEUED - svc.count_status(run, run.served, ("queued",))
-                if missing > 0:
-                    texts = [essay_prompt(n + i) for i in range(missing)]
-                    n += missing
-                    list(pool.map(lambda t: svc.submit_task(run.api, run.token, run.served, t, B6_LOAD_TOKENS),
-                                  texts))
-
-            # The throughput the engine delivers at a full batch, with no person's request, for as
-            # long as the samples take below: what pausing the batch for a person's first step costs.
-            quiet = None
-            for sample in range(B6_SAMPLES + 1):
-                # Timing starts only at a verified full batch (every slot running, i.e. past its first
-                # token) with a verified queue of B6_QUEUED behind it.
-                deadline, state = time.monotonic() + 120, None
-                while time.monotonic() < deadline:
-                    top_up()
-                    state = svc.batch_state(run, run.served)
-                    if svc.loaded(state, full, B6_QUEUED):
+            load = Background(run, pool)
+            # Each sample is two windows of B6_WINDOW_SECONDS at a verified full batch, one with a
+            # person's request sent at its start and one without, in alternating order: the
+            # background's tokens in the one ÷ in the other is what that person cost it.
+            for sample in range(B6_SAMPLES):
+                tokens = {}
+                for side in rotated(["person", "quiet"], sample):
+                    state = load.full()
+                    if state is None:
+                        problems.append(f"sample {sample + 1}: no full batch with {B6_QUEUED} queued within "
+                                        f"120 s (last seen {load.state})")
                         break
-                    time.sleep(0.05)
-                else:
-                    problems.append(f"sample {sample + 1}: no full batch with {B6_QUEUED} queued within 120 s "
-                                    f"(last seen {state})")
-                    continue
-                if quiet is None:  # the first full batch: measure it undisturbed first
-                    t0 = time.time()
-                    time.sleep(B6_QUIET_SECONDS)
-                    quiet = svc.traced_tokens(run, t0, time.time()) / (time.time() - t0)
-                    samples_from = time.time()
-                    continue
-                r = svc.stream_ttft(run, B2_PROMPT, B2_TOKENS)
-                loaded.append(r["ttft"])
-                states.append(state)
-                log(f"B6 sample {len(loaded)}/{B6_SAMPLES}: TTFT {fmt_ms(r['ttft'])} at {state}")
-            samples_until = time.time()
+                    t0, own = time.time(), 0
+                    if side == "person":
+                        r = svc.stream_ttft(run, B2_PROMPT, B2_TOKENS)
+                        loaded.append(r["ttft"])
+                        states.append(state)
+                        own = r["tokens"] or 0
+                    time.sleep(max(0.0, t0 + B6_WINDOW_SECONDS - time.time()))
+                    tokens[side] = svc.traced_tokens(run, t0, t0 + B6_WINDOW_SECONDS) - own
+                if len(tokens) == 2:
+                    kept.append(tokens["person"] / tokens["quiet"])
+                    log(f"B6 sample {sample + 1}/{B6_SAMPLES}: TTFT {fmt_ms(loaded[-1])} at {states[-1]}; "
+                        f"background {tokens['person']} tokens with the person, {tokens['quiet']} without")
     finally:
         cancelled = svc.cancel_unfinished(run, run.served)
         log(f"B6: cancelled {cancelled} load tasks")
         svc.wait_idle(run, run.served, 120)
     base = median(idle)
-    if quiet and loaded:
-        busy = svc.traced_tokens(run, samples_from, samples_until) / (samples_until - samples_from)
-        table.note(f"B6 throughput cost of pausing the batch for a person's first step: {busy:.0f} tok/s with "
-                   f"{len(loaded)} interactive requests in {samples_until - samples_from:.0f} s ÷ {quiet:.0f} tok/s "
-                   f"for {B6_QUIET_SECONDS:g} s without = {busy / quiet:.3f} (one run, not interleaved)")
     table.add_reps("B6", FIGURES["B6"][0], FIGURES["B6"][1], lambda m: m <= 2,
                    [x / base for x in loaded if x is not None], min_reps=B6_SAMPLES, problems=problems[:3],
                    service=fmt_ms(median(loaded)), baseline=fmt_ms(base),
                    details={"idle_ms": [1000 * x for x in idle], "loaded_ms": [1000 * x for x in loaded],
                             "states": states})
+    table.add_reps("B6t", FIGURES["B6t"][0], FIGURES["B6t"][1], lambda m: m >= 0.8, kept, min_reps=B6_SAMPLES,
+                   problems=problems[:3], details={"kept": kept})
+
+
+class Background:
+    """B6's load: tasks submitted to keep B6_QUEUED queued behind a full batch."""
+
+    def __init__(self, run, pool):
+        self.run, self.pool, self.n, self.state = run, pool, 0, None
+
+    def top_up(self) -> None:
+        from tests.bench import service as svc
+        missing = B6_QUEUED - svc.count_status(self.run, self.run.served, ("queued",))
+        if missing > 0:
+            texts = [essay_prompt(self.n + i) for i in range(missing)]
+            self.n += missing
+            list(self.pool.map(lambda t: svc.submit_task(self.run.api, self.run.token, self.run.served, t,
+                                                          B6_LOAD_TOKENS), texts))
+
+    def full(self, timeout: float = 120) -> dict | None:
+        """The batch's state once every slot is running (past its first token) with B6_QUEUED queued
+        behind it; None if that is not seen within ``timeout``."""
+        from tests.bench import service as svc
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.top_up()
+            self.state = svc.batch_state(self.run, self.run.served)
+            if svc.loaded(self.state, ENGINE_ARGS["max_num_seqs"], B6_QUEUED):
+                return self.state
+            time.sleep(0.05)
+        return None
 
 
 def memory(run, table: Table) -> None:
