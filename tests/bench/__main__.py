@@ -267,12 +267,14 @@ def cpu_used(meter) -> dict:
 
 def service_cpu(run) -> dict:
     """Every process of the service, for cpu_meter: the api (gunicorn master and workers), the worker,
-    its engine's processes, and the Postgres and Redis servers it writes to and publishes on, whole
-    (their background processes too; no other stack runs beside the bench: an upper bound)."""
-    from tests.bench.fleet import server
+    its engine's processes, the Postgres server it writes to (the postmaster and every process it
+    started: background writers and each connection's backend) and the Redis server it publishes on.
+    The servers are counted whole: an upper bound if anything else used them meanwhile."""
+    from tests.bench import service as svc
+    postmaster, redis_pid = svc.server_pids(run)
     return {"api": lambda: tree(run.api_proc), "worker main process": lambda: tree(run.worker_proc)[:1],
-            "engine processes": lambda: tree(run.worker_proc)[1:], "postgres": server("postgres"),
-            "redis": server("redis-server")}
+            "engine processes": lambda: tree(run.worker_proc)[1:],
+            "postgres": lambda: [postmaster, *descendants(postmaster)], "redis": lambda: [redis_pid]}
 
 
 def wait_ready(run, timeout: float = 60) -> None:

@@ -9,6 +9,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import psycopg
@@ -407,6 +408,15 @@ def make_long_log(run: Run, n_events: int) -> dict:
 
 def pg_dsn(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+def server_pids(run: Run) -> tuple[int, int]:
+    """The Postgres server's postmaster (the parent of a connection's backend) and the Redis server's process."""
+    import redis
+    with psycopg.connect(pg_dsn(run.db_url)) as conn:
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        postmaster = int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return postmaster, int(redis.Redis.from_url(run.redis_url).info("server")["process_id"])
 
 
 def replay_once(run: Run, task_id: str) -> dict:
