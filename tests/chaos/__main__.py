@@ -20,16 +20,19 @@ import psycopg
 from common import partitions
 from common.db import upgrade
 from common.ids import id_time
-from tests.chaos import checker, faults
+from tests.chaos import checker, faults, wider
 from tests.chaos.load import History, Load
+from tests.chaos.pair import Pair
 from tests.chaos.servers import EventDisk
 from tests.harness import Stack, engine_pids, free_port, model_entry
-from tests.proxy import Proxy
+from tests.proxy import Link, Proxy
 from tests.servers import PgCluster, RedisServer
 
 SECONDS = float(os.environ.get("LMSP_CHAOS_SECONDS") or 1200)
 SEED = int(os.environ.get("LMSP_CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
 KINDS = [k for k in (os.environ.get("LMSP_CHAOS_FAULTS") or "").split(",") if k] or None
+# Postgres as a primary and a synchronous standby, with postgres_failover drawn (tests/chaos/pair.py).
+PAIR = os.environ.get("LMSP_CHAOS_PAIR") == "1" or "postgres_failover" in (KINDS or ())
 SETTLE = float(os.environ.get("LMSP_CHAOS_SETTLE_SECONDS") or 420)  # after the faults, for every task to end
 # Shorter than production's 30 s so a run has room for many faults; heartbeats and sweeps keep its ratios.
 LEASE, HEARTBEAT, SWEEP, REQUEUE = 10, 2, 2, 5
@@ -39,6 +42,8 @@ os.environ["LMSP_EVENT_PARTITION_SECONDS"], os.environ["LMSP_EVENT_PARTITIONS_AH
     str(PARTITION), str(AHEAD)
 MODEL = "smollm2-135m"
 PRINCIPAL = "chaos"
+# The slow followers' link to the api: a tenth of tests/proxy.WAN's bandwidth, its latency twice over.
+SLOW_LINK = Link(bits_per_s=100_000, latency=0.2)
 T0 = time.monotonic()
 
 
@@ -46,23 +51,32 @@ def log(message: str) -> None:
     print(f"[chaos {time.monotonic() - T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-class Cluster:
-    """The servers, the proxy in front of them, the api and the two workers; the faults act on these."""
+class Cluster(wider.Wider):
+    """The servers, the proxy in front of them, the api and the workers (two of the default model, one of
+    wider.py's two); the faults act on these."""
 
     def __init__(self, root: Path, history: History):
         self.root, self.h = root, history
         self.pg = PgCluster(root / "pg")
         self.redis = RedisServer(root)
-        self.proxy = Proxy({"postgres": self.pg.port, "redis": self.redis.port})
+        self.api_port = free_port()
         with self.pg.connect() as conn:
             conn.execute("CREATE DATABASE lmsp")
-        self.db_direct = self.pg.url(db="lmsp")  # the checker's own view, past the proxy
-        url = self.pg.url(self.proxy.ports["postgres"], "lmsp")
+        # On a pair (tests/chaos/pair.py) each server has a link of the proxy; the service's URL names both.
+        self.pair = Pair(root, self.pg) if PAIR else None
+        upstreams = {"postgres": self.pg.port, "redis": self.redis.port, "api": self.api_port}
+        if self.pair is not None:
+            upstreams["postgres2"] = self.pair.standby.port
+        self.proxy = Proxy(upstreams, links={"api": SLOW_LINK})
+        url = self.pg.url(self.proxy.ports["postgres"], "lmsp") if self.pair is None else \
+            self.pair.url("lmsp", (self.proxy.ports["postgres"], self.proxy.ports["postgres2"]))
         upgrade(url)
+        wider.install_ledger(self.db_direct)
         self.disk = EventDisk(root)
-        self.disk_problem = self.disk.arrange(self.pg, "lmsp")
+        self.disk_problem = self.disk.arrange(self.pg, "lmsp") if self.pair is None else \
+            "not on a pair (tests/chaos/pair.py)"
         redis_url = f"redis://127.0.0.1:{self.proxy.ports['redis']}/0"
-        self.stack = Stack(root, url, redis=False, models=[model_entry(MODEL)])
+        self.stack = Stack(root, url, redis=False, models=[model_entry(MODEL), *wider.models(root)])
         self.stack.env.update({
             "LMSP_BROKER_URL": redis_url, "LMSP_REDIS_URL": redis_url,
             "LMSP_LEASE_SECONDS": str(LEASE), "LMSP_HEARTBEAT_SECONDS": str(HEARTBEAT),
@@ -74,11 +88,15 @@ class Cluster:
             "LMSP_EVENT_PARTITION_SECONDS": str(PARTITION), "LMSP_EVENT_PARTITIONS_AHEAD_SECONDS": str(AHEAD)})
         self.marker = f"LMSP_DATABASE_URL={url}".encode()  # every process of this run carries it
         run = uuid.uuid4().hex[:6]
-        self.worker_ids = {"a": f"chaos-{run}-a", "b": f"chaos-{run}-b"}
+        self.worker_ids = {"a": f"chaos-{run}-a", "b": f"chaos-{run}-b", "c": f"chaos-{run}-c"}
+        self.worker_models = {"a": MODEL, "b": MODEL, "c": wider.WORKER_C_MODELS}
+        self.worker_env = {"c": wider.WORKER_C_ENV}
+        self.starts: dict[str, list[int]] = {n: [] for n in self.worker_ids}  # where each process's log begins
+        self.extra: list[threading.Thread] = []  # followers the faults started
+        self.model_checks: list[dict] = []
         self.workers: dict[str, subprocess.Popen] = {}
         self.ready_from: dict[str, int] = {}  # where the current process's part of its log starts
         self.api: subprocess.Popen | None = None
-        self.api_port = free_port()
         self.base = f"http://127.0.0.1:{self.api_port}"
         self.held: set[str] = set()  # what a fault keeps down on purpose: the keeper leaves it alone
         self.exits: list[dict] = []
@@ -86,6 +104,11 @@ class Cluster:
         self.orphan_seen: dict[int, float] = {}
         self.restarts: Counter = Counter()
         self.done = threading.Event()
+
+    @property
+    def db_direct(self) -> str:
+        """The checker's own view of the database, past the proxy (on a pair: whichever is primary)."""
+        return self.pg.url(db="lmsp") if self.pair is None else self.pair.url("lmsp")
 
     # -- processes -----------------------------------------------------------------------------------
     def start(self) -> str:
@@ -104,11 +127,13 @@ class Cluster:
     def start_worker(self, name: str, wait: bool = False) -> None:
         log_file = self.worker_log(name)
         self.ready_from[name] = log_file.stat().st_size if log_file.exists() else 0
+        self.starts[name].append(self.ready_from[name])
+        model, env = self.worker_models[name], self.worker_env.get(name, {})
         if wait:
-            self.workers[name] = self.stack.start_worker(MODEL, self.worker_ids[name])
+            self.workers[name] = self.stack.start_worker(model, self.worker_ids[name], **env)
         else:
-            self.workers[name] = self.stack.spawn([sys.executable, "-m", "worker", "--model", MODEL],
-                                                  log_file.name, LMSP_WORKER_ID=self.worker_ids[name])
+            self.workers[name] = self.stack.spawn([sys.executable, "-m", "worker", "--model", model],
+                                                  log_file.name, LMSP_WORKER_ID=self.worker_ids[name], **env)
 
     def start_api(self) -> None:
         self.stack.start_api(workers=1, threads=64, port=self.api_port)
@@ -233,6 +258,13 @@ class Cluster:
         time.sleep(hold)
         self.pg.start()
 
+    def _postgres_failover(self, _target, _hold):
+        dead, new, down = self.pair.fail_over()
+        self.pg = self.pair.primary
+        link = next(name for name, port in self.proxy.upstreams.items() if port == dead)
+        self.proxy.upstreams[link] = new  # the dead server's link leads to the new standby from now on
+        return f"no primary for {down:.1f} s; the new standby is behind link {link}"
+
     def _api_kill(self, _target, hold):
         self.held.add("api")
         try:
@@ -333,6 +365,15 @@ class Cluster:
                 "parts": [{"name": p.name, "low": p.low and id_time(p.low), "high": p.high and id_time(p.high),
                            "pending": p.pending} for p in found]}
 
+    def residency(self) -> list[dict]:
+        """What each process of worker c loaded, unloaded and failed to load (wider.residency_events)."""
+        path = self.worker_log("c")
+        text = path.read_bytes().decode(errors="replace") if path.exists() else ""
+        bounds = [*self.starts["c"], len(text.encode())]
+        data = text.encode()
+        return [{"process": n, "events": wider.residency_events(data[a:b].decode(errors="replace"))}
+                for n, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
+
     def unfinished(self) -> int:
         with psycopg.connect(self.db_direct, autocommit=True, connect_timeout=5) as conn:
             return conn.execute("SELECT count(*) FROM tasks WHERE status NOT IN ('succeeded', 'failed', "
@@ -426,7 +467,10 @@ class Cluster:
     def close(self) -> None:
         self.proxy.close()
         self.redis.close()
-        self.pg.close()
+        if self.pair is not None:
+            self.pair.close()
+        else:
+            self.pg.close()
         self.disk.close()
 
 
@@ -461,15 +505,24 @@ def figures(history: dict, cluster: Cluster, h: History) -> list[str]:
              "; engines reloaded: " + ", ".join(f"{n}={t.count('a new engine is loaded')}" for n, t in logs.items()),
              f"restarts by the keeper: {dict(cluster.restarts)}",
              "client counts: " + ", ".join(f"{k}={v}" for k, v in sorted(h.counts.items()))]
+    roles = Counter((r.get("role"), (r.get("final") or {}).get("status")) for r in tasks.values() if r.get("role"))
+    unloads = Counter(e[2] for p in history.get("residency", []) for e in p["events"] if e[0] == "unload")
+    fair = history.get("fairshare") or {"log": []}
+    lines += [f"fault tasks (role, status): {dict(sorted(roles.items(), key=str))}",
+              f"model_broken: GET /models said {[c['model_status'] for c in history.get('broken_model', [])]}; "
+              f"worker c unloaded to make room for: {dict(unloads)}; worker c processes: "
+              f"{len(history.get('residency', []))}",
+              f"fair-share ledger: {Counter(e['kind'] for e in fair['log'])}"]
     return lines
 
 
 def main() -> int:
     rng = random.Random(SEED)
-    plan = faults.schedule(SEED, SECONDS, LEASE, KINDS)
+    plan = faults.schedule(SEED, SECONDS, LEASE, KINDS or faults.default_kinds(PAIR))
     root = Path(tempfile.mkdtemp(prefix=f"lmsp-chaos-{SEED}-"))
     os.chmod(root, 0o755)
-    print(f"chaos: seed {SEED}, {SECONDS:.0f} s, run folder {root}", flush=True)
+    print(f"chaos: seed {SEED}, {SECONDS:.0f} s, {'on a Postgres pair, ' if PAIR else ''}run folder {root}",
+          flush=True)
     print("schedule:", flush=True)
     for f in plan:
         print(f"  t={f['at']:7.1f}s {f['kind']:<17} {f['target']:<9} hold {f['hold']:.1f}s", flush=True)
@@ -483,6 +536,9 @@ def main() -> int:
         token = cluster.start()
         h.t0 = time.monotonic()  # the schedule's clock starts with the load
         load = Load(cluster.base, token, MODEL, h, rng)
+        cluster.load = load
+        cluster.slow = Load(f"http://127.0.0.1:{cluster.proxy.ports['api']}", token, MODEL, h, rng,
+                            task_clients=0, direct_clients=0, label=" slow")
         load.start()
         for target in (cluster.keeper, lambda: cluster.sampler(samples)):
             threading.Thread(target=target, daemon=True).start()
@@ -500,14 +556,18 @@ def main() -> int:
         while time.monotonic() < deadline and cluster.unfinished():
             time.sleep(2)
         load.give_up.set()
+        cluster.slow.give_up.set()
         load.join(30)
+        wider.join_extra(cluster.extra, 30)
         log("collecting the history")
         history = {"seed": SEED, "seconds": SECONDS, "lease_seconds": LEASE, "sweep_seconds": SWEEP,
                    "faults": done_faults, "tasks": cluster.collect(load), "followers": h.followers,
                    "directs": h.directs, "http": h.http, "ownerless": samples,
-                   "idempotency": [{"key": k, "task_ids": sorted(v)} for k, v in h.keys.items()]}
+                   "idempotency": [{"key": k, "task_ids": sorted(v)} for k, v in h.keys.items()],
+                   "broken_model": cluster.model_checks, "fairshare": wider.fair_state(cluster.db_direct)}
         log("stopping every process")
         history["partitions"] = cluster.partitions()
+        history["residency"] = cluster.residency()
         history["leftovers"] = cluster.orphans + cluster.stop_all()
         history["exits"] = cluster.exits
     except BaseException:
@@ -524,6 +584,8 @@ def main() -> int:
     print("faults:", flush=True)
     for f in done_faults:
         print(f"  {f['start']:7.1f}-{f['end']:7.1f}s {f['kind']:<17} {f['target']:<9} {f['note']}", flush=True)
+    print("faults drawn: " + ", ".join(f"{k}={v}" for k, v in sorted(Counter(f["kind"] for f in plan).items())),
+          flush=True)
     print("figures:", flush=True)
     for line in figures(history, cluster, h):
         print("  " + line, flush=True)

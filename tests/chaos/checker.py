@@ -18,6 +18,14 @@ A history is a dict of plain JSON values:
   end on SIGTERM
 * ``partitions``: {now, promised (seconds ahead), parts: [{name, low, high (id times; None: MIN/MAXVALUE),
   pending}], detached: [table names]} the event log's partitions at the end of the run
+* ``broken_model``: [{t, tasks, ended: {task id: status}, model_status}] each model_broken fault's tasks and
+  what GET /models said of the model once they ended (tests/chaos/wider.py)
+* ``residency``: [{process, events: [[kind, model, why]]}] per process of worker c: "unload" (why: the model
+  it made room for), "failed" and "loaded" loads
+* ``fairshare``: {log: the ledger's rows (clock changes, task charges and settles, with their transaction),
+  tasks: {id: {model, principal_id, status, start, finish, cost}}, clocks: [{model, principal_id, finish}]}
+* a task's ``role`` (wider.py's faults): "poison" (kills the engine in decode: fails by the crash cap),
+  "innocent" (beside it: succeeds), "broken" (its model cannot load: fails model_unavailable naming why)
 * ``lease_seconds``, ``sweep_seconds``
 """
 
@@ -103,19 +111,8 @@ def check_task(task_id: str, rec: dict) -> list[Violation]:
     marks = [e for e in log if e[1] == MARK]
     tail = last_attempt(log)
     items = [e for e in tail if e[1] == ITEM_ADDED]
-    # -- the policy (7.5, README "When things go wrong") ---------------------------------------------
-    if status == "cancelled" and rec.get("cancel") is None:
-        out.append(Violation("policy", task_id, "cancelled although nobody cancelled it", policy=policy))
-    if rec.get("cancel") in ("cancelling", "cancelled") and status != "cancelled":
-        out.append(Violation("policy", task_id, f"the cancel answered {rec['cancel']!r} but the task ended "
-                             f"{status}", policy=policy))
-    if status == "failed":
-        if code == "server_restarted" and policy != "fail":
-            out.append(Violation("policy", task_id, f"a {policy} task failed with server_restarted",
-                                 error=final.get("error")))
-        elif code != "server_restarted":
-            out.append(Violation("policy", task_id, f"failed with {code}, not an outcome of its policy "
-                                 f"({policy}) for a restart", error=final.get("error")))
+    expected = role_outcome(task_id, rec.get("role"), final)
+    out += policy_end(task_id, rec, final) if expected is None else expected
     # An attempt that logged no output is run again whatever the policy (its engine died before its first
     # token: nothing could have had an effect); a marker after output is a fail/resume task run twice.
     output = [i for i, e in enumerate(log) if e[1] in (ITEM_ADDED, DELTA)]
@@ -136,6 +133,44 @@ def check_task(task_id: str, rec: dict) -> list[Violation]:
             out.append(Violation("text", task_id, "output_item.done carries another text than its deltas",
                                  done=done[-1][2]["item"], streamed=streamed))
     return out
+
+
+def policy_end(task_id: str, rec: dict, final: dict) -> list[Violation]:
+    """The end the task's policy allows (7.5, README "When things go wrong")."""
+    out, policy, status, code = [], rec.get("policy"), final["status"], final.get("error_code")
+    if status == "cancelled" and rec.get("cancel") is None:
+        out.append(Violation("policy", task_id, "cancelled although nobody cancelled it", policy=policy))
+    if rec.get("cancel") in ("cancelling", "cancelled") and status != "cancelled":
+        out.append(Violation("policy", task_id, f"the cancel answered {rec['cancel']!r} but the task ended "
+                             f"{status}", policy=policy))
+    if status == "failed":
+        if code == "server_restarted" and policy != "fail":
+            out.append(Violation("policy", task_id, f"a {policy} task failed with server_restarted",
+                                 error=final.get("error")))
+        elif code != "server_restarted":
+            out.append(Violation("policy", task_id, f"failed with {code}, not an outcome of its policy "
+                                 f"({policy}) for a restart", error=final.get("error")))
+    return out
+
+
+def role_outcome(task_id: str, role: str | None, final: dict) -> list[Violation] | None:
+    """The end a fault's task must reach (None: its policy's, checked by check_task)."""
+    status, error = final.get("status"), final.get("error") or {}
+    detail = error.get("detail") or ""
+    if role == "poison":  # issue 36, 4: the crash cap fails it, after runs alone
+        if status != "failed" or "LMSP_MAX_ATTEMPTS" not in detail:
+            return [Violation("poison", task_id, f"the poison request ended {status}, not failed by the crash cap",
+                              error=error)]
+        return []
+    if role == "broken":  # issue 36, 2: failed model_unavailable, naming the load's failure
+        if status != "failed" or error.get("code") != "model_unavailable" or "failed" not in detail:
+            return [Violation("broken-model", task_id, f"a task of the unloadable model ended {status}, not failed "
+                              "model_unavailable naming the cause", error=error)]
+        return []
+    if role == "innocent" and status != "succeeded":
+        return [Violation("poison", task_id, f"an innocent task beside a poison request ended {status}",
+                          error=error)]
+    return None
 
 
 def as_logged(event: list) -> list:
@@ -176,7 +211,7 @@ def _during(faults: list, kinds: set, start: float, end: float) -> bool:
 
 
 BREAKS_A_STREAM = {"worker_kill", "worker_stop", "engine_kill", "postgres_restart", "proxy_cut", "proxy_stall",
-                   "disk_full", "maintenance_kill"}  # maintenance_kill: a kill -9 of a worker too
+                   "disk_full", "maintenance_kill", "postgres_failover"}  # maintenance_kill: a kill -9 of a worker too
 
 
 def check_directs(directs: list, faults: list, grace: float = 30) -> list[Violation]:
@@ -300,6 +335,87 @@ def check_partitions(state: dict | None) -> list[Violation]:
     return out
 
 
+def check_broken_model(checks: list) -> list[Violation]:
+    """Every model_broken fault: its tasks failed within the fault's wait (the failures are bounded), and
+    then GET /models said the model is unavailable."""
+    out = []
+    for c in checks:
+        subject = f"model_broken at {c['t']}s"
+        if len(c["ended"]) < len(c["tasks"]):
+            out.append(Violation("broken-model", subject, "its tasks did not all end within the wait",
+                                 tasks=c["tasks"], ended=c["ended"]))
+        elif c["model_status"] != "unavailable":
+            out.append(Violation("broken-model", subject, f"GET /models says {c['model_status']!r} once its "
+                                 "tasks failed", ended=c["ended"]))
+    return out
+
+
+def check_evictions(processes: list) -> list[Violation]:
+    """No loaded model is unloaded to make room for a model whose last load failed (issue 36, 2)."""
+    out = []
+    for p in processes:
+        failed: set[str] = set()
+        for kind, model, why in p["events"]:
+            if kind == "failed":
+                failed.add(model)
+            elif kind == "loaded":
+                failed.discard(model)
+            elif kind == "unload" and why in failed:
+                out.append(Violation("eviction", f"worker c process #{p['process']}", f"{model} was unloaded to "
+                                     f"make room for {why}, whose last load failed"))
+    return out
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
+
+
+def check_fairshare(state: dict | None) -> list[Violation]:
+    """Every principal's clock equals its charges minus its refunds (plus what thrown-away retry attempts
+    spent): each change of a clock is a task's charge (the clock is then that task's virtual finish), or
+    the refunds of the tasks settled in its transaction, or a spend; each task is settled at most once,
+    every ended task has been (its span is none), and the clock at the end is the ledger's sum."""
+    if not state:
+        return []
+    out = []
+    txs: dict = defaultdict(lambda: {"clock": [], "charge": [], "settle": []})
+    for e in state["log"]:
+        txs[(e["tx"], e["model"], e["principal_id"])][e["kind"]].append(e)
+    total: dict = defaultdict(float)
+    for (tx, model, who), rows in txs.items():
+        subject = f"clock of {who} on {model} (transaction {tx})"
+        deltas = [c["new_finish"] - (c["old_finish"] or 0.0) for c in rows["clock"]]
+        total[(model, who)] += sum(deltas)
+        refunds = sum(s["old_finish"] - s["new_finish"] for s in rows["settle"])
+        if rows["charge"]:
+            if rows["clock"] and not _close(rows["clock"][-1]["new_finish"], rows["charge"][-1]["new_finish"]):
+                out.append(Violation("fairshare", subject, "the clock after a charge is not the task's finish",
+                                     clock=rows["clock"][-1], task=rows["charge"][-1]))
+            if not rows["clock"]:
+                out.append(Violation("fairshare", subject, "a task charged without its clock moving",
+                                     task=rows["charge"][-1]))
+            continue
+        down = sum(d for d in deltas if d < 0)
+        if not _close(-down, refunds):
+            out.append(Violation("fairshare", subject, f"the clock went back by {-down:g}, the settled tasks "
+                                 f"gave back {refunds:g}", settles=rows["settle"], clock=rows["clock"]))
+    settled: dict = defaultdict(int)
+    for e in state["log"]:
+        if e["kind"] == "settle":
+            settled[e["task_id"]] += 1
+    for task_id, t in state["tasks"].items():
+        if settled[task_id] > 1:
+            out.append(Violation("fairshare", task_id, f"settled {settled[task_id]} times"))
+        if t["status"] in TERMINAL and t["finish"] > t["start"] and not _close(t["finish"], t["start"]):
+            out.append(Violation("fairshare", task_id, f"ended {t['status']} without being settled: its "
+                                 "principal stays charged", span=t["finish"] - t["start"], cost=t["cost"]))
+    for c in state["clocks"]:
+        if not _close(c["finish"], total[(c["model"], c["principal_id"])]):
+            out.append(Violation("fairshare", f"clock of {c['principal_id']} on {c['model']}", "the clock is not "
+                                 "the sum of its ledger", clock=c["finish"], ledger=total[(c["model"], c["principal_id"])]))
+    return out
+
+
 def check(history: dict) -> list[Violation]:
     tasks = history.get("tasks", {})
     faults = history.get("faults", [])
@@ -315,6 +431,9 @@ def check(history: dict) -> list[Violation]:
     out += check_leftovers(history.get("leftovers", []))
     out += check_exits(history.get("exits", []))
     out += check_partitions(history.get("partitions"))
+    out += check_broken_model(history.get("broken_model", []))
+    out += check_evictions(history.get("residency", []))
+    out += check_fairshare(history.get("fairshare"))
     return out
 
 

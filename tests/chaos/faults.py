@@ -16,17 +16,43 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[float, float] | None]] = {
     "disk_full": (("events",), (5, 20)),         # the event log's tablespace has no free page
     "maintenance_kill": (("a", "b"), (1, 8)),    # kill -9 of a worker in partition maintenance; started again
     "grammar_kill": (("api",), (0, 0)),          # kill -9 of the api's grammar helpers and their spawner
+    # tests/chaos/wider.py: worker c's simulated model and its model that cannot load; the throttled link
+    "poison_request": (("c",), (0, 0)),          # a task that kills the engine in decode, with 3 innocent ones
+    "model_broken": (("c",), (60, 90)),          # 3 tasks of the model that cannot load; held: waits for their end
+    "slow_followers": (("api",), (5, 15)),       # 3 tasks followed through the throttled link only
+    # Only on a pair (tests/chaos/pair.py), which leaves disk_full out.
+    "postgres_failover": (("primary",), (0, 0)),  # the primary crashes, the synchronous standby is promoted
 }
+PAIR_ONLY, NOT_ON_PAIR = {"postgres_failover"}, {"disk_full"}
+# Every new fault is drawn at least this often in a run long enough for it: the draws due to one left
+# short come first, one in three (QUOTA_EVERY), so a 20-minute run (about 40 faults) meets the quota
+# before its middle; the other draws are weighted, the new faults a little more likely.
+QUOTA, QUOTA_EVERY = 2, 3
+WEIGHTS = {"poison_request": 1.5, "model_broken": 1.5, "slow_followers": 1.5, "maintenance_kill": 1.5,
+           "grammar_kill": 1.5, "postgres_failover": 1.5}
+
+
+def default_kinds(pair: bool) -> list[str]:
+    """The faults a run draws from: every one its Postgres (one server, or a pair) allows."""
+    return [k for k in KINDS if k not in (NOT_ON_PAIR if pair else PAIR_ONLY)]
+
+
+def _draw(rng: random.Random, kinds: list[str], drawn: dict[str, int], n: int) -> str:
+    short = [k for k in kinds if k in WEIGHTS and drawn.get(k, 0) < QUOTA]
+    if short and n % QUOTA_EVERY == 0:
+        return min(short, key=lambda k: (drawn.get(k, 0), rng.random()))
+    return rng.choices(kinds, weights=[WEIGHTS.get(k, 1.0) for k in kinds])[0]
 
 
 def schedule(seed: int, seconds: float, lease: float, kinds: list[str] | None = None,
              warmup: float = 20, gap: tuple[float, float] = (10, 30), tail: float = 20) -> list[dict]:
     """Faults one after another from ``warmup`` until ``tail`` seconds before the end, each followed by a gap."""
     rng = random.Random(seed)
-    kinds = kinds or list(KINDS)
-    out, t = [], warmup
+    kinds = kinds or default_kinds(False)
+    out, t, drawn = [], warmup, {}
     while True:
-        kind = rng.choice(kinds)
+        kind = _draw(rng, kinds, drawn, len(out))
+        drawn[kind] = drawn.get(kind, 0) + 1
         targets, span = KINDS[kind]
         hold = rng.uniform(lease + 2, 2 * lease + 2) if span is None else rng.uniform(*span)
         if t + hold > seconds - tail:

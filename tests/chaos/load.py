@@ -56,8 +56,9 @@ class History:
 
 class Load:
     def __init__(self, base: str, token: str, model: str, history: History, rng: random.Random, *,
-                 task_clients: int = 3, direct_clients: int = 1):
+                 task_clients: int = 3, direct_clients: int = 1, label: str = ""):
         self.base, self.token, self.model, self.h = base, token, model, history
+        self.label = label  # what its followers' transports are called after (" slow": the throttled link)
         self.rng = rng
         self.stop = threading.Event()      # no new work
         self.give_up = threading.Event()   # followers stop waiting (the settle period is over)
@@ -164,8 +165,9 @@ class Load:
         with self.h.lock:
             self.h.tasks[task_id]["cancel"] = answer
 
-    def _follow(self, task: dict, transport: str, rng: random.Random) -> None:
-        rec = {"task_id": task["id"], "transport": transport, "events": [], "finished": False, "reconnects": 0}
+    def _follow(self, task: dict, transport: str, rng: random.Random, every: tuple[int, int] = (2, 8)) -> None:
+        """Follow the task to its final event, leaving after every few events (``every``) to resume."""
+        rec = {"task_id": task["id"], "transport": transport + self.label, "events": [], "finished": False, "reconnects": 0}
         with self.h.lock:
             self.h.followers.append(rec)
         read = self._sse if transport == "sse" else self._ws
@@ -173,7 +175,7 @@ class Load:
         while not self.give_up.is_set():
             last = rec["events"][-1][0] if rec["events"] else 0
             try:
-                if read(http, task, last, rng.randint(2, 8), rec["events"]):
+                if read(http, task, last, rng.randint(*every), rec["events"]):
                     rec["finished"] = True
                     return
             except (requests.RequestException, websocket.WebSocketException, OSError):
