@@ -59,7 +59,7 @@ def _consume(ctx: WorkerContext, pool: ThreadPoolExecutor) -> None:
     def on_message(model):
         def on(body, message):
             # Acked on receipt: an interactive request lives only as long as its HTTP stream, and a
-            # worker that dies with it fails it (recovery.fail_direct) rather than running it twice.
+            # worker that dies with it fails it (recovery.fail_direct_of) rather than running it twice.
             message.ack()
             try:
                 response_id = interactive_wire.decode(body)

@@ -2,13 +2,14 @@
 ``--model a,b`` (or ``LMSP_WORKER_MODELS``) the engines of several models, loaded on demand within a
 memory budget (worker/residency.py).
 
-Order matters: end any engine a killed predecessor left behind, announce the worker (heartbeat)
-and hand on its unfinished tasks by their restart policy, load the (first) engine, and only then
-consume the models' queues.
+The worker is the list of steps ``STEPS`` (worker/steps.py), started in order and stopped in reverse:
+end any engine a killed predecessor left behind, announce the worker (heartbeat) and hand on its
+unfinished tasks by their restart policy, load the (first) engine, and only then consume the models'
+queues. SIGTERM stops them from the last: the drain, the loops, the engines, then the writer and the
+last heartbeat.
 """
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -33,11 +34,11 @@ from common.registry import (
     resolve_engine,
 )
 from common.settings import ConfigError, get_settings
-from worker import identity, interactive, metrics, recovery, runner
+from worker import cancels, drain, engine_watch, heart, identity, recovery, runner, steps, sweeper
 from worker.context import WorkerContext
-from worker.procs import kill_stale_engines, mark_deployment
+from worker.procs import mark_deployment
 from worker.residency import Residency, Slot
-from worker.writer import EventWriter
+from worker.steps import Step
 
 log = logging.getLogger("lmsp.worker")
 
@@ -92,6 +93,7 @@ def _slot(spec: ModelSpec, checkpoint: str, machine, tag: str, pin: bool) -> Slo
 
 
 def build(model_ids: list[str], gpu: int | None, tensor_parallel: int = 1) -> WorkerContext:
+    """What the worker holds, connected to nothing yet but the database (migrated): the steps do the rest."""
     settings = get_settings()
     registry = Registry.load(settings.models_path)
     models = [_spec(registry, model_id, tensor_parallel) for model_id in model_ids]
@@ -103,75 +105,72 @@ def build(model_ids: list[str], gpu: int | None, tensor_parallel: int = 1) -> Wo
         if settings.db_url.startswith(("postgres", "postgresql")) else {}
     engine = make_engine(settings.db_url, **connect)
     ensure_migrated(engine)
-    sessions = session_factory(engine)
-    identity.ensure_sole(sessions, worker_id, settings.lease_seconds, settings.heartbeat_seconds)
     if gpu is not None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(gpu))
     mark_deployment(str(engine.url))
-    killed = kill_stale_engines(worker_id)
-    if killed:
-        log.warning("ended %d engine processes left by a previous run of %s", len(killed), worker_id)
     machine = detect_machine()
     # One model: its threads kept off the engine's CPUs. Several come and go: the kernel decides.
     hosts = Residency([_slot(spec, checkpoint, machine, worker_id, pin=len(models) == 1)
                        for spec, checkpoint in models],
                       budget_gib=settings.worker_memory_budget_gib, keep_alive=settings.worker_keep_alive_seconds)
-    publisher = Publisher(settings.redis_url)
-    ctx = WorkerContext(settings=settings, worker_id=worker_id, sessions=sessions, celery=make_celery(settings),
-                        publisher=publisher, writer=None, hosts=hosts)
-    ctx.writer = EventWriter(sessions, publisher, ctx.lose, ctx.stopping)
-    # What this id ran before it restarted is handed on before the engine loads (a minute or more on a
-    # busy host): its fail tasks end now and its retry/resume tasks go to a ready peer meanwhile. From
-    # here the process holds the id (identity.ensure_sole) and heartbeats, "loading" until it is ready.
-    recovery.heartbeat(ctx, boot=True)
-    recovery.recover_own(ctx)
-    recovery.start_heartbeat(ctx)
-    try:
-        hosts.load(model_ids[0], ctx.stopping)  # the first model at boot; the others when work for them comes
-    except BaseException:  # a failed load or SIGTERM (Stopped): the workers list shows it gone at once
-        ctx.stopping.set()
-        with contextlib.suppress(Exception):
-            recovery.heartbeat(ctx, stopped=True)
-        raise
-    hosts.on_change = lambda: recovery.announce(ctx)
-    ctx.engine_ok.set()
-    return ctx
+    return WorkerContext(settings=settings, worker_id=worker_id, sessions=session_factory(engine),
+                         celery=make_celery(settings), publisher=Publisher(settings.redis_url), writer=None,
+                         hosts=hosts)
 
 
-def serve(ctx: WorkerContext) -> None:
-    app = ctx.celery
+class Consumer(Step):
+    """Celery's consumer of the models' queues (threads pool): ``start`` returns when Celery does."""
 
-    models_of = {slot.spec.queue: model for model, slot in ctx.hosts.slots.items()}
+    def start(self, ctx: WorkerContext) -> None:
+        app = ctx.celery
+        models_of = {slot.spec.queue: model for model, slot in ctx.hosts.slots.items()}
 
-    @app.task(name=RUN_TASK, bind=True)
-    def run(self, task_id: str) -> None:
-        try:
-            runner.run_task(ctx, task_id, models_of.get(self.request.delivery_info.get("routing_key")))
-        except runner.EngineStopped:
-            pass  # the drain (or the next boot) hands the task on
+        @app.task(name=RUN_TASK, bind=True)
+        def run(self, task_id: str) -> None:
+            try:
+                runner.run_task(ctx, task_id, models_of.get(self.request.delivery_info.get("routing_key")))
+            except runner.EngineStopped:
+                pass  # the drain (or the next boot) hands the task on
 
-    @worker_shutting_down.connect
-    def _stop(**_):
-        # Celery's warm shutdown would wait for generations that may run for hours: drain within the
-        # grace, hand the rest on, then stop the engine.
-        recovery.drain(ctx)
-        ctx.stopping.set()
-        ctx.hosts.close()
-
-    concurrency = max(slot.spec.max_num_seqs for slot in ctx.hosts.slots.values())
-    queues = ",".join(slot.spec.queue for slot in ctx.hosts.slots.values())
-    try:  # a SIGTERM before Celery takes the signals over (_stop_now) ends the engine here too
-        recovery.start_background(ctx)
-        interactive.start(ctx)
+        concurrency = max(slot.spec.max_num_seqs for slot in ctx.hosts.slots.values())
+        queues = ",".join(slot.spec.queue for slot in ctx.hosts.slots.values())
         app.worker_main(["worker", "-P", "threads", "-c", str(concurrency), "-Q", queues,
                          "-n", f"{ctx.worker_id}@{socket.gethostname()}", "--without-gossip",
                          "--without-mingle", "--without-heartbeat", "-l", "INFO"])
-    finally:
-        clean = ctx.stopping.is_set()
-        ctx.stopping.set()
-        ctx.hosts.close()
-        ctx.writer.stop()
-        recovery.heartbeat(ctx, stopped=True)
+
+
+# The worker, in order; it stops in reverse. Each step says what it does and why it comes where it does.
+STEPS = [
+    steps.SoleHolder,          # refuse to start beside a live process of this id
+    steps.StaleEngines,        # end the engines a killed predecessor of this id left behind
+    steps.Writer,              # the event log's group commit
+    heart.Heart,               # take the id, heartbeat from now on ("loading"); the last beat says stopped
+    recovery.RecoverOwn,       # hand on what this id ran before it restarted, while the engine loads
+    steps.Engines,             # load the (first) engine; stopping ends every engine
+    steps.Metrics,             # readiness and /metrics: the startup probe means "loaded"
+    sweeper.Sweeper,           # takeovers, orphans, lost broker messages, retention
+    cancels.CancelWatch,       # cancellations the Redis hint missed
+    cancels.ControlListener,   # the api's cancellation hints
+    engine_watch.EngineWatch,  # a dead engine: stop claiming, load a new one
+    steps.Interactive,         # the interactive lane
+    drain.Drain,               # stopping it is the drain: first, while everything above still runs
+    Consumer,                  # the models' queues, last: nothing is claimed before the rest runs
+]
+
+
+def serve(ctx: WorkerContext) -> None:
+    worker = steps.Blueprint(STEPS)
+
+    @worker_shutting_down.connect
+    def _stop(**_):
+        # Celery's warm shutdown would wait for generations that may run for hours, and it waits for its
+        # pool's threads once this returns: drain within the grace, hand the rest on and end the engines
+        # now; the writer's flush and the last heartbeat once those threads ended.
+        worker.stop(ctx, through=steps.Engines)
+
+    worker.start(ctx)  # returns when Celery does (a SIGTERM before Celery takes the signals over: Stopped)
+    clean = ctx.stopping.is_set()  # the shutdown above ran
+    worker.stop(ctx)
     if not clean:
         # Celery returned without being asked to stop: never exit 0 then, so a supervisor restarts us.
         sys.exit("lmsp worker: the Celery consumer stopped unexpectedly")
@@ -185,18 +184,17 @@ def run(models: str, gpu: int | None = None, tensor_parallel: int = 1) -> None:
     try:
         logs.setup()
         ctx = build(model_list(models), gpu, tensor_parallel)
+        logs.bind_process(worker_id=ctx.worker_id)
+        serve(ctx)
     except ConfigError as exc:  # the environment, the models file or the database: one line, no traceback
         if not hasattr(exc, "exit_code"):
             sys.exit(f"lmsp worker: {exc}")
         print(f"lmsp worker: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)   # one a supervisor must not restart (identity.DuplicateWorker)
     except Stopped as exc:
-        log.info("stopped while loading the model")
+        log.info("stopped before serving")
         logging.shutdown()
-        os._exit(exc.code)  # nothing to hand on or flush; the interpreter's teardown (torch) takes seconds
-    logs.bind_process(worker_id=ctx.worker_id)
-    metrics.start_metrics_server(ctx)  # after the engine loaded: the startup probe means "loaded"
-    serve(ctx)
+        os._exit(exc.code)  # handed on and stopped already; the interpreter's teardown (torch) takes seconds
 
 
 def model_list(models: str | None) -> list[str]:

@@ -89,7 +89,7 @@ _DELTA = events.dumps({"type": "response.output_text.delta", "item_id": "msg_01J
 
 
 def sweep_queries(sessions, model: str, me: str) -> None:
-    """What each worker's sweeper and cancel watch ask the database every tick (worker/recovery.py)."""
+    """What each worker's sweeper and cancel watch ask the database every tick (worker/sweeper.py, worker/cancels.py)."""
     from sqlalchemy import select
 
     from common.states import CANCELLING, LIVE

@@ -248,7 +248,7 @@ def test_the_engine_watch_reloads_after_a_pass_that_failed_half_way(sessions, pg
     (no engine, never exiting, /healthz 200)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from worker import recovery
+    from worker import engine_watch
 
     dead = ScriptedEngine("")
     dead.dead = True
@@ -258,11 +258,11 @@ def test_the_engine_watch_reloads_after_a_pass_that_failed_half_way(sessions, pg
     ctx.sessions = session_factory(make_engine("postgresql://postgres@127.0.0.1:1/down"))  # refused
     try:
         try:
-            recovery.watch_engine(ctx)
+            engine_watch.watch_engine(ctx)
         except SQLAlchemyError:
             pass  # the loop around it logs this and calls it again
         ctx.sessions = sessions  # Postgres is back
-        recovery.watch_engine(ctx)
+        engine_watch.watch_engine(ctx)
         assert loaded and ctx.hosts.primary.engine is loaded[-1] and ctx.engine_ok.is_set()
     finally:
         ctx.stopping.set()
@@ -273,12 +273,12 @@ def test_the_engine_watch_loads_again_when_a_new_engine_fails_to_start(sessions,
     """Issue 21's chaos run (seed 7177): the new engine's core was killed while it started; the worker
     exited (71) at once, although another load would have worked. It exits only after
     ENGINE_RELOAD_SECONDS without an engine."""
-    from worker import recovery
+    from worker import engine_watch
 
     def exit_(code):
         raise AssertionError(f"the worker exited ({code})")
 
-    monkeypatch.setattr(recovery.os, "_exit", exit_)
+    monkeypatch.setattr(engine_watch.os, "_exit", exit_)
     dead = ScriptedEngine("")
     dead.dead = True
     dead.shutdown = lambda: None
@@ -293,9 +293,9 @@ def test_the_engine_watch_loads_again_when_a_new_engine_fails_to_start(sessions,
     ctx = worker_ctx(sessions, pg_url, dead)
     ctx.hosts.primary.load = new_engine
     try:
-        recovery.watch_engine(ctx)
+        engine_watch.watch_engine(ctx)
         assert not ctx.engine_ok.is_set() and ctx.hosts.primary.engine is None  # not claiming yet
-        recovery.watch_engine(ctx)
+        engine_watch.watch_engine(ctx)
         engine = ctx.hosts.primary.engine
         assert len(tries) == 2 and engine is not None and engine is not dead and ctx.engine_ok.is_set()
     finally:

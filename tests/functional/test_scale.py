@@ -26,7 +26,7 @@ from common.settings import Settings
 from common.tables import Task
 from tests import factories
 from tests.harness import create_database, drop_database
-from worker import recovery
+from worker import recovery, retention, sweeper
 
 QUEUED, DONE, WORKERS = 10_000, 10_000, 100
 
@@ -108,8 +108,8 @@ def test_no_query_of_a_claim_a_sweep_or_the_writer_scans_a_table(crowded):
             liveness.live_workers(session, 30)
             session.rollback()
         recovery.hand_on_orphans(ctx)
-        recovery.my_turn(ctx, "takeover")
-        recovery.enforce_retention(ctx)
+        sweeper.my_turn(ctx, "takeover")
+        retention.enforce_retention(ctx)
     finally:
         event.remove(crowded, "before_cursor_execute", capture)
     assert len(statements) > 15
@@ -126,10 +126,10 @@ def test_no_query_of_a_claim_a_sweep_or_the_writer_scans_a_table(crowded):
 def test_one_worker_per_interval_runs_a_cluster_wide_sweep(crowded):
     sessions = session_factory(crowded)
     ctxs = [SimpleNamespace(settings=Settings(sweep_seconds=30), sessions=sessions) for _ in range(20)]
-    assert [recovery.my_turn(c, "test-sweep") for c in ctxs].count(True) == 1
+    assert [sweeper.my_turn(c, "test-sweep") for c in ctxs].count(True) == 1
     with transaction(sessions) as session:
         session.execute(text("UPDATE sweeps SET swept_at = swept_at - 30 WHERE name = 'test-sweep'"))
-    assert [recovery.my_turn(c, "test-sweep") for c in ctxs].count(True) == 1
+    assert [sweeper.my_turn(c, "test-sweep") for c in ctxs].count(True) == 1
 
 
 def test_retention_drops_a_whole_partition_and_the_events_endpoint_answers_410(pg_url, bob):
@@ -208,7 +208,7 @@ def test_retention_purges_the_events_of_direct_responses_on_sqlite(tmp_path):
             session.add(response)
             session.flush()
             eventlog.append(session, response.id, [(1, "response.created", "{}"), (2, "response.completed", "{}")])
-    recovery.enforce_retention(SimpleNamespace(settings=settings, sessions=sessions))
+    retention.enforce_retention(SimpleNamespace(settings=settings, sessions=sessions))
     with sessions() as session:
         kept = session.execute(text("SELECT r.stored, count(e.seq) FROM responses r LEFT JOIN events e "
                                     "ON e.response_id = r.id GROUP BY r.id ORDER BY r.updated_at")).all()

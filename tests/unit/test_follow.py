@@ -192,7 +192,7 @@ def test_a_purge_during_a_replay_ends_with_an_error_event(unit, alice, monkeypat
 
     def purge_after_the_first_page(hub, response_id, after):
         calls.append(after)
-        if len(calls) == 2:  # what worker/recovery.enforce_retention does
+        if len(calls) == 2:  # what worker/retention.enforce_retention does
             with unit.sessions() as session:
                 eventlog.purge(session, [response_id])
                 session.execute(update(Task).where(Task.id == task.id).values(events_expired=True))
