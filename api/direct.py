@@ -128,9 +128,8 @@ def replay(done: Done, frames: Callable[[Event], str] = lambda event: events.sse
     again in the caller's frames, its items each in one delta."""
     if not done.stream or done.status != 200:
         return answer(done.status, done.body)
-    numbered = events.Sequence().number(events.of_response(json.loads(done.body)))
-    return Response("".join(map(frames, numbered)) + end, content_type=events.SSE_TYPE,
-                    headers={"Cache-Control": "no-cache"})
+    text = "".join(map(frames, events.of_response(json.loads(done.body)))) + end
+    return Response(text, content_type=events.SSE_TYPE, headers={"Cache-Control": "no-cache"})
 
 
 def kept_response(svc, response_id: str) -> str | None:
@@ -204,8 +203,9 @@ def wait(run: Direct, finish: Callable[[int, str], tuple[int, str]] = lambda sta
 def stream(run: Direct, frames: Callable[[Event], str] = lambda event: events.sse(*event), end: str = "",
            failed: Callable[[int], str] = stream_error) -> Iterator[str]:
     """The streamed answer: ``frames(event)`` for each event (SSE text, "" for none), ``end`` after the
-    final one, ``failed(seq)`` (which logs) if the stream fails; the response object is kept for the
-    key's replays."""
+    final one, ``failed(position)`` (which logs) if the stream fails (the last id sent, as on a task's
+    stream: an error is not one of the response's events); the response object is kept for the key's
+    replays."""
     svc, last, finished = run.svc, 0, False
     try:
         for event in run.events:
@@ -226,7 +226,7 @@ def stream(run: Direct, frames: Callable[[Event], str] = lambda event: events.ss
                     yield end
                 return
     except Exception:  # noqa: BLE001 - the stream must end with an event, never half a line
-        yield failed(last + 1)  # a direct stream is never resumed: the id just goes on
+        yield failed(last)
     finally:
         run.events.close()
         if not finished:

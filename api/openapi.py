@@ -12,7 +12,7 @@ from flask import Blueprint, Flask, current_app
 from pydantic.json_schema import models_json_schema
 
 from api.operations import HEADERS, PARAMETERS, Operation, media_answer, operation
-from common import wire
+from common import events, wire
 from common.errors import CODES
 from common.tokens import RESERVED_SCOPES, SCOPES
 from common.wire import API, VERSION
@@ -42,9 +42,12 @@ def _schemas(described: list[Operation]) -> dict:
     """The JSON Schemas of every request (as validated) and answer (as serialized), one namespace."""
     requests = dict.fromkeys(op.body for op in described if op.body is not None)
     answers = dict.fromkeys((wire.Problem, *(m for op in described for m in op.answer_models())))
+    kinds = [m for m in answers if issubclass(m, events.EventData)]  # msgspec structs: their own schemas
+    event_schemas, nested = events.schemas(REF) if kinds else ({}, [])
+    answers = dict.fromkeys([*(m for m in answers if m not in kinds), *nested])
     _, doc = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in answers],
                                 by_alias=True, ref_template=REF)
-    schemas = doc["$defs"]
+    schemas = {**doc["$defs"], **event_schemas}
     codes = ", ".join(f"`{code}` ({c.status})" for code, c in CODES.items())
     schemas["Problem"]["properties"]["code"]["description"] += f": {codes}."
     return schemas

@@ -12,7 +12,7 @@ from functools import wraps
 from pydantic import BaseModel
 
 from api.auth import check_scope
-from common import wire
+from common import events
 from common.errors import CODES
 from common.states import STATES
 from common.wire import VERSION
@@ -102,7 +102,7 @@ def _headers(*extra: str) -> dict:
 class Answer:
     """One documented answer: its OpenAPI response object and the models its schemas name."""
     doc: dict
-    models: tuple[type[BaseModel], ...] = ()
+    models: tuple[type, ...] = ()  # pydantic models, or event structs (common/events.py)
 
 
 def json_answer(description: str, model: type[BaseModel], *headers: str, also: "Answer | None" = None) -> Answer:
@@ -124,14 +124,17 @@ def bare_answer(description: str, *headers: str, models: tuple = (), **extra) ->
     return Answer({"description": description, "headers": _headers(*headers), **extra}, models)
 
 
+# Each event's data by its struct (common/events.py): an event stream's, a WebSocket's frames'.
+EVENTS = {"x-lmsp-events": {name: ref(kind.__name__) for name, kind in events.KINDS.items()}}
+EVENT_KINDS = tuple(dict.fromkeys(events.KINDS.values()))
+
+
 def sse_answer(description: str, media: str) -> Answer:
-    """An event stream (``text/event-stream``): each event's data by its model (``x-lmsp-events``)."""
+    """An event stream (``text/event-stream``): each event's data by its struct (``x-lmsp-events``)."""
     return Answer({"description": description, "headers": _headers(), "content": {SSE: {
-        "schema": {"type": "string", "description": media},
-        "x-lmsp-events": {name: ref(model.__name__) for name, model in wire.EVENTS.items()},
+        "schema": {"type": "string", "description": media}, **EVENTS,
         "example": 'id: 1\nevent: response.created\ndata: {"type":"response.created","sequence_number":1,'
-                   '"response_id":"resp_...","status":"in_progress"}\n\n'}}},
-        tuple(dict.fromkeys(wire.EVENTS.values())))
+                   '"response_id":"resp_...","status":"in_progress"}\n\n'}}}, EVENT_KINDS)
 
 
 # -- problems -----------------------------------------------------------------------------------

@@ -198,10 +198,11 @@ _SHOWN = (Response.id, Response.created_at, Response.model, Response.output, Res
           Response.error, Response.incomplete_details, Response.previous_response_id)  # what event_response reads
 
 
-def _final(session: Session, response_id: str, status: R, *, first_seq: int | None = None, emitted=(),
+def _final(session: Session, response_id: str, status: R, *, seq: Sequence | None = None, emitted=(),
            output=None, usage=None, error=None, logged: bool = True) -> list[Event]:
-    """Items still to emit + the one final event, numbered from ``first_seq`` (the writer's own
-    ``Sequence``) or else after the log, and the response row in its final state."""
+    """Items still to emit + the one final event, numbered by ``seq`` (the writer's own ``Sequence``) or,
+    for a writer that holds none (a cancel, a sweep), by one after the log's last event; and the
+    response row in its final state."""
     incomplete = {"reason": "max_output_tokens"} if status == R.INCOMPLETE else None
     values = {"error": error, "incomplete_details": incomplete}
     if output is not None:
@@ -210,10 +211,11 @@ def _final(session: Session, response_id: str, status: R, *, first_seq: int | No
     # request, which may be a megabyte.
     row = respond_returning(session, response_id, status, columns=_SHOWN, **values) or session.execute(
         select(*_SHOWN).where(Response.id == response_id)).one()
-    name, data = events.final(response_id, status, usage=usage if status != R.CANCELLED else None,
-                              error=error, incomplete_details=incomplete, response=event_response(row))
-    seq = Sequence(first_seq - 1 if first_seq is not None else eventlog.max_seq(session, response_id))
-    batch = seq.number([*emitted, (name, data)])
+    ending = events.final(response_id, status, usage=usage if status != R.CANCELLED else None,
+                          error=error, incomplete_details=incomplete, response=event_response(row))
+    if seq is None:
+        seq = Sequence(eventlog.max_seq(session, response_id))
+    batch = seq.number([*emitted, ending])
     if logged:
         eventlog.append(session, response_id, batch)
     return batch
@@ -234,8 +236,9 @@ class Claim:
     fresh: bool          # claimed from queued, not handed on mid-run
 
     def sequence(self) -> Sequence:
-        """Numbering on after the log (a fresh claim's log, #1 alone, is not read again)."""
-        return Sequence(self.log[-1][0]) if self.log else Sequence.opened()
+        """The attempt's numbering, on after the log; a fresh claim does not read its log again: it holds
+        only #1, the ``response.created`` that ``create_task`` logged."""
+        return Sequence(self.log[-1][0] if self.log else 1)
 
 
 def claim(session: Session, task_id: str, worker_id: str, *, model: str | None = None, retried: bool = False,
@@ -397,12 +400,13 @@ def already_logged(session: Session, response_id: str, batch: list[Event]) -> bo
 
 
 # -- finishing (worker) -------------------------------------------------------------------------------
-def finish(session: Session, attempt: Attempt, status: R, *, first_seq: int, emitted, output, usage,
+def finish(session: Session, attempt: Attempt, status: R, *, seq: Sequence, emitted, output, usage,
            error=None, logged: bool = True) -> Publish:
-    """The outcome of a generation, as one final event. A cancel that committed first wins: the
-    response then ends cancelled. Fenced when the attempt lost the task."""
+    """The outcome of a generation, as one final event, after ``emitted`` (the items still open), both
+    numbered by ``seq``, the attempt's own numbering. A cancel that committed first wins: the response
+    then ends cancelled. Fenced when the attempt lost the task."""
     if attempt.task_id is None:
-        return _finish_direct(session, attempt, status, first_seq=first_seq, emitted=emitted, output=output,
+        return _finish_direct(session, attempt, status, seq=seq, emitted=emitted, output=output,
                               usage=usage, error=error, logged=logged)
     fence = attempt.task_where()
     target = TASK_OUTCOME[status]
@@ -419,7 +423,7 @@ def finish(session: Session, attempt: Attempt, status: R, *, first_seq: int, emi
         status = R.CANCELLED
     if (usage or {}).get("total_tokens") is not None:  # what it used corrects what it was charged
         fairshare.settle(session, attempt.task_id, usage["total_tokens"])
-    batch = _final(session, attempt.response_id, status, first_seq=first_seq, emitted=emitted,
+    batch = _final(session, attempt.response_id, status, seq=seq, emitted=emitted,
                    output=output, usage=usage, error=error, logged=logged)
     return {attempt.response_id: batch}
 

@@ -25,7 +25,7 @@ def event_response(r: Response, queued: bool = False) -> dict:
     shown as it is stored, never a reason for that write to fail."""
     fields = _fields(r, queued)
     try:
-        return wire.Response(**fields).wire()
+        return wire.ResponseObject(**fields).wire()
     except ValidationError as exc:
         logging.getLogger("lmsp.resources").warning("response %s shown unchecked in its event: %s", r.id, exc)
         return {"object": "response", **fields}
@@ -37,14 +37,14 @@ def _fields(r: Response, queued: bool) -> dict:
                 error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
 
 
-def _response(r: Response, queued: bool = False) -> wire.Response:
-    return wire.Response(**_fields(r, queued))
+def _response(r: Response, queued: bool = False) -> wire.ResponseObject:
+    return wire.ResponseObject(**_fields(r, queued))
 
 
-def task_object(t: Task, r: Response | None, event_resume: bool = True, attempts=()) -> wire.Task:
+def task_object(t: Task, r: Response | None, event_resume: bool = True, attempts=()) -> wire.TaskObject:
     """``event_resume``: whether the task's model offers its events endpoint (else no events_url);
     ``attempts``: its recorded attempts (common/timeline.py), for the timeline extension."""
-    return wire.Task(
+    return wire.TaskObject(
         id=t.id, type=t.type, status=t.status, created_at=int(t.created_at), updated_at=int(t.updated_at),
         response_id=t.response_id, events_url=f"{wire.API}/tasks/{t.id}/events" if event_resume else None,
         on_restart=t.on_restart, response=_response(r) if t.status == SUCCEEDED and r is not None else None,

@@ -1,17 +1,19 @@
-"""Every shape the service sends (spec 6.2, 6.3, 7.1, 8, 9.3, 11.1), as pydantic models.
+"""Every shape the service sends (spec 6.2, 7.1, 8, 9.3, 11.1), as pydantic models.
 
 The api serializes its answers with them and api/openapi.py generates the
 document's schemas from them, so what is documented is what is sent. Request
-shapes are in common/protocol.py.
+shapes are in common/protocol.py; the events of 6.3 are msgspec structs in
+common/events.py (built at every token, where pydantic costs too much), whose
+nested objects are these.
 """
 
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 from pydantic.json_schema import SkipJsonSchema
 
-from common import events, registry
+from common import registry
 from common.states import STATES, ResponseState
 
 API = "/lmsp/v1"
@@ -116,8 +118,13 @@ class OutputReasoning(Shape):
 OutputItem = Annotated[OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")]
 
 
-class Response(Shape):
-    """The response object (spec 6.2)."""
+class AnyOutputItem(RootModel[OutputItem]):
+    """One output item: a message, a function call or a reasoning item (a name for the union, which the
+    event structs of common/events.py refer to)."""
+
+
+class ResponseObject(Shape):
+    """The response object (spec 6.2); the row it shows is common/tables.py's ``Response``."""
     id: str = Field(examples=["resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"])
     object: Literal["response"] = "response"
     created_at: UnixSeconds
@@ -210,8 +217,8 @@ def _events_url_optional(schema: dict) -> None:
     schema["required"] = [name for name in schema["required"] if name not in ("events_url", "extensions")]
 
 
-class Task(Shape):
-    """The task object (spec 7.1)."""
+class TaskObject(Shape):
+    """The task object (spec 7.1); the row it shows is common/tables.py's ``Task``."""
     model_config = ConfigDict(**Shape.model_config, json_schema_extra=_events_url_optional)
     id: str = Field(examples=["task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC"])
     object: Literal["task"] = "task"
@@ -223,7 +230,7 @@ class Task(Shape):
     events_url: Absent = Field(None, description="Present when the task's model offers event_resume",
                                examples=[f"{API}/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events"])
     on_restart: OnRestart
-    response: Response | None = Field(description="The response once status is succeeded")
+    response: ResponseObject | None = Field(description="The response once status is succeeded")
     error: Problem | None = Field(description="A problem when status is failed")
     extensions: TaskExtensions | SkipJsonSchema[None] = Field(None, exclude_if=lambda value: value is None)
 
@@ -231,7 +238,7 @@ class Task(Shape):
 class TaskList(Shape):
     """A page of the principal's tasks, newest first (an extension of LMSP 1.0)."""
     object: Literal["list"] = "list"
-    data: list[Task]
+    data: list[TaskObject]
     has_more: bool
     next_cursor: str | None = Field(description="Pass as `cursor` for the next page")
 
@@ -356,112 +363,8 @@ class Readiness(Shape):
     checks: Checks
 
 
-# -- event payloads (spec 6.3): the JSON of an SSE `data:` line or a WebSocket frame's `data` ----------
-class EventData(Shape):
-    """What every event's data carries first (common/events.py ``typed``), for clients such as the OpenAI
-    SDK that read an event's type from its data; LMSP clients ignore them."""
-    type: str = Field(description="The event's name, as in its `event:` line", examples=[events.CREATED])
-    sequence_number: int = Field(ge=1, description="The event's id")
-
-
-LIFECYCLE = "The response object as GET /responses/{id} would return it at that moment (what the OpenAI SDK " \
-            "builds its picture of the response from)"
-
-
-class ResponseCreated(EventData):
-    response_id: str
-    status: Literal["in_progress"]
-    response: Response = Field(description=LIFECYCLE + "; `queued` for a background response not started yet")
-
-
-class ContentPartAdded(EventData):
-    """A message's text part opens (before its first delta), as OpenAI's API sends it."""
-    response_id: str
-    output_index: Count
-    item_id: str
-    content_index: Literal[0]
-    part: OutputText
-
-
-class OutputItemEvent(EventData):
-    response_id: str
-    output_index: Count
-    item: OutputItem
-
-
-class TextDelta(EventData):
-    response_id: str
-    output_index: Count
-    item_id: str
-    content_index: Literal[0]
-    delta: str
-
-
-class SummaryDelta(EventData):
-    response_id: str
-    output_index: Count
-    item_id: str
-    summary_index: Literal[0]
-    delta: str
-
-
-class Completed(EventData):
-    response_id: str
-    status: Literal["completed"]
-    usage: Usage
-    response: Response = Field(description=LIFECYCLE)
-
-
-class Incomplete(EventData):
-    response_id: str
-    status: Literal["incomplete"]
-    incomplete_details: IncompleteDetails
-    usage: Usage
-    response: Response = Field(description=LIFECYCLE)
-
-
-class Failed(EventData):
-    response_id: str
-    status: Literal["failed"]
-    error: Problem
-    response: Response = Field(description=LIFECYCLE)
-
-
-class Cancelled(EventData):
-    response_id: str
-    status: Literal["cancelled"]
-    response: Response = Field(description=LIFECYCLE)
-
-
-class ErrorEvent(EventData):
-    error: Problem
-
-
-class AttemptStarted(EventData):
-    """Extension event: a new attempt starts from scratch after a restart; a client discards what it
-    built from the response's earlier events."""
-    response_id: str
-    attempt: int = Field(ge=1)
-
-
-EVENTS: dict[str, type[Shape]] = {
-    events.CREATED: ResponseCreated,
-    events.ITEM_ADDED: OutputItemEvent,
-    events.PART_ADDED: ContentPartAdded,
-    events.TEXT_DELTA: TextDelta,
-    events.REASONING_DELTA: SummaryDelta,
-    events.ITEM_DONE: OutputItemEvent,
-    events.COMPLETED: Completed,
-    events.INCOMPLETE: Incomplete,
-    events.FAILED: Failed,
-    events.CANCELLED: Cancelled,
-    events.ERROR: ErrorEvent,
-    events.ATTEMPT_STARTED: AttemptStarted,
-}
-
-
 class WebSocketFrame(Shape):
-    """One text frame per event."""
+    """One text frame per event: ``data`` is the event's data, as in an SSE ``data:`` line."""
     id: int = Field(ge=1)
     event: str
     data: dict

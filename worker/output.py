@@ -8,10 +8,18 @@ emit. It can also be rebuilt from logged events, which is what makes
 import json
 
 from common import events
+from common.events import (
+    ContentPartAdded,
+    EventData,
+    OutputItemAdded,
+    OutputItemDone,
+    SummaryDelta,
+    TextDelta,
+)
 from common.ids import new_id
 from common.prompt import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 
-Emitted = list[tuple[str, dict]]
+Emitted = list[EventData]
 
 
 class OutputBuilder:
@@ -83,8 +91,8 @@ class OutputBuilder:
                         "name": name, "arguments": arguments}
                 self.items.append(item)
                 index = len(self.items) - 1
-                out.append((events.ITEM_ADDED, events.item_added(self.rid, index, {**item, "arguments": ""})))
-                out.append((events.ITEM_DONE, events.item_done(self.rid, index, item)))
+                out.append(OutputItemAdded(response_id=self.rid, output_index=index, item={**item, "arguments": ""}))
+                out.append(OutputItemDone(response_id=self.rid, output_index=index, item=item))
             self.buffer = None
         elif self.held:
             out += self._append("reasoning" if self.thinking else "message", self.held)
@@ -105,9 +113,9 @@ class OutputBuilder:
                     if kind == "message" else {"id": new_id("reasoning"), "type": "reasoning", "summary": []})
             self.items.append(item)
             self.open = len(self.items) - 1
-            out.append((events.ITEM_ADDED, events.item_added(self.rid, self.open, _copy(item))))
-            if kind == "message":
-                out.append((events.PART_ADDED, events.part_added(self.rid, self.open, item["id"])))
+            out.append(OutputItemAdded(response_id=self.rid, output_index=self.open, item=_copy(item)))
+            if kind == "message":  # its text part opens: the OpenAI SDK's helper needs it before a delta
+                out.append(ContentPartAdded(response_id=self.rid, output_index=self.open, item_id=item["id"]))
         if text:
             out += self._add_text(self.items[self.open], text)
         return out
@@ -118,9 +126,8 @@ class OutputBuilder:
         if not parts:
             parts.append({"type": part_type, "text": ""})
         parts[0]["text"] += text
-        if item["type"] == "message":
-            return [(events.TEXT_DELTA, events.text_delta(self.rid, self.open, item["id"], text))]
-        return [(events.REASONING_DELTA, events.summary_delta(self.rid, self.open, item["id"], text))]
+        delta = TextDelta if item["type"] == "message" else SummaryDelta
+        return [delta(response_id=self.rid, output_index=self.open, item_id=item["id"], delta=text)]
 
     def _close(self) -> Emitted:
         if self.open is None:
@@ -129,7 +136,7 @@ class OutputBuilder:
         if item["type"] == "message" and not item["content"]:
             item["content"].append({"type": "output_text", "text": ""})
         index, self.open = self.open, None
-        return [(events.ITEM_DONE, events.item_done(self.rid, index, _copy(item)))]
+        return [OutputItemDone(response_id=self.rid, output_index=index, item=_copy(item))]
 
     # -- resume ----------------------------------------------------------------------
     def replay(self, name: str, data: dict) -> None:

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from common import events, lifecycle, liveness, logs, timeline
 from common.broker import BACKGROUND, dispatch
 from common.errors import problem
-from common.events import Sequence
+from common.events import AttemptStarted, ResponseCreated, Sequence
 from common.lifecycle import Attempt, Fenced
 from common.prompt import count_tokens, render, tool_call_schema, tool_mode
 from common.protocol import ResponseRequest
@@ -61,7 +61,7 @@ class Job:
         self.rid = response.id
         self.response = response
         self.req = ResponseRequest.model_validate(response.request)
-        self.seq = seq  # this response's numbering, carried on from the log (or #1)
+        self.seq = seq  # this response's numbering (after the log, or from #1), its final event's too
         self.logged = attempt.task_id is not None or ctx.log_direct
         self.entry = ctx.register(attempt)
         self.created_at: float | None = None  # the task's, for its timeline's phase metrics
@@ -213,9 +213,10 @@ class Job:
         if self.logged:
             ctx.writer.flush()  # every earlier event is in the log (or refused) before the final one
         lag = ctx.writer.commit_lag(self.attempt)
+        at = self.seq.last
         try:
             if entry.write_error is None:
-                publish = ctx.write(lambda s: self._finish(s, status, emitted, output, usage, error, lag))
+                publish = ctx.write(lambda s: self._finish(s, at, status, emitted, output, usage, error, lag))
                 if self.attempt.task_id is not None:
                     final = json.loads(next(iter(publish.values()))[-1][2])  # a cancel may have won
                     metrics.TASKS_FINISHED.labels(model=self.spec.id, status=TASK_OUTCOME[final["status"]]).inc()
@@ -233,12 +234,13 @@ class Job:
         except Fenced:
             pass
 
-    def _finish(self, session, status, emitted, output, usage, error, lag):
+    def _finish(self, session, at: int, status, emitted, output, usage, error, lag):
+        self.seq.last = at  # a transaction replayed (its commit's reply lost) numbers the same events again
         if self.attempt.task_id is not None:
             self.points["finished_at"] = time.time()
             timeline.record(session, self.attempt, last_token_at=self.points.get("last_token_at"),
                             finished_at=self.points["finished_at"], commit_lag=lag)
-        return lifecycle.finish(session, self.attempt, status, first_seq=self.seq.next, emitted=emitted,
+        return lifecycle.finish(session, self.attempt, status, seq=self.seq, emitted=emitted,
                                 output=output, usage=usage, error=error, logged=self.logged)
 
     def _observe_timeline(self) -> None:
@@ -354,7 +356,7 @@ def _run_claimed(ctx: WorkerContext, claimed, points: dict, engine) -> None:
                 # Constrained output cannot continue a partial JSON: a fresh attempt, marked as one and
                 # numbered as a client counts them (the fencing token also counts hand-overs).
                 runs = 2 + sum(1 for _, name, _ in claimed.log if name == events.ATTEMPT_STARTED)
-                job.emit([(events.ATTEMPT_STARTED, events.attempt_started(job.rid, runs))])
+                job.emit([AttemptStarted(response_id=job.rid, attempt=runs)])
         job.run(builder, prior_tokens, alone=claimed.task.crashes > 0)
     except EngineStopped:
         raise  # the task stays with its attempt: the drain or the next boot hands it on
@@ -363,8 +365,9 @@ def _run_claimed(ctx: WorkerContext, claimed, points: dict, engine) -> None:
         used = job.response.input_tokens + job.output_tokens if job is not None and job.started else None
         if isinstance(exc, EngineLost) or engine.dead or not ctx.engine_ok.is_set():
             crashed = isinstance(exc, EngineLost) and exc.suspect
-            hand_on(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} failed",
-                    unstarted_again=True, crashed_after=ctx.settings.max_attempts if crashed else None, used=used)
+            apply_restart_policy(ctx, task_id, claimed.attempt.number, f"The engine of worker {ctx.worker_id} "
+                                 "failed", unstarted_again=True,
+                                 crashed_after=ctx.settings.max_attempts if crashed else None, used=used)
             return
         log.exception("task %s failed unexpectedly", task_id)
         error = problem("generation_failed", "The worker failed on this task; the error is logged")
@@ -389,8 +392,9 @@ def _latest_attempt(log_events):
     return log_events[marks[-1] + 1:] if marks else log_events
 
 
-def hand_on(ctx: WorkerContext, task_id: str, attempt: int | None, why: str, **kw) -> None:
-    """Apply a task's on_restart policy after its attempt ended without an outcome; send its message."""
+def apply_restart_policy(ctx: WorkerContext, task_id: str, attempt: int | None, why: str, **kw) -> None:
+    """A task's attempt ended without an outcome: hand it on by its on_restart policy
+    (``lifecycle.hand_on``, in its own transaction), count how, and send its message if it waits again."""
     error = lifecycle.restarted_error(f"{why}; submit it again (or use on_restart retry/resume)")
 
     def tx(session):
@@ -425,7 +429,7 @@ def _run_direct(ctx: WorkerContext, model: str, engine, response_id: str, prompt
     attempt, response = claimed
     job = Job(ctx, attempt, response, Sequence(), engine)
     job.logged = job.logged or logged
-    job.emit([(events.CREATED, events.created(response_id, response_object(response)))])
+    job.emit([ResponseCreated(response_id=response_id, response=response_object(response))])
     try:
         job.run(job.builder(), prompt_ids=prompt_ids)
     except EngineStopped:

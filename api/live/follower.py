@@ -13,7 +13,7 @@ from collections.abc import Callable
 from api.live import reads
 from api.live.frames import Batch, Event
 from common.errors import LMSPError
-from common.events import CREATED, FINAL, Sequence, created_before
+from common.events import FINAL, EventData, Sequence
 
 log = logging.getLogger("lmsp.live")
 # A follower's states (``Watcher``: WATCHING, then ENDED).
@@ -37,21 +37,21 @@ class Follower:
     * ENDED: after the final event (also when resuming at or past it), SIGTERM, a failure (an
       ``error`` event), a revoked token, a client too slow (cut) or gone.
 
-    ``ended()`` (asked when the log has nothing new) is None while the response runs, else the events
-    that end the stream, numbered after the last sent (a task: none; a direct response whose worker
-    died: its final event). ``logged`` is False for a direct stream: its events are in the log only
+    ``seq`` is the stream's position: the last event sent. ``ended()`` (asked when the log has nothing
+    new) is None while the response runs, else the events that end the stream, which ``seq`` numbers
+    after the last sent (a task: none; a direct response whose worker died: its final event). ``logged`` is False for a direct stream: its events are in the log only
     when the worker could not publish them, so it starts live and reads the log on a gap or poll."""
 
-    __slots__ = ("hub", "response_id", "sink", "state", "last", "logged", "ended", "authorized",
+    __slots__ = ("hub", "response_id", "sink", "state", "seq", "logged", "ended", "authorized",
                  "pending", "reread", "reading", "more", "began", "last_auth", "confirmed", "checking")
 
     def __init__(self, hub, response_id: str, sink):
         self.hub, self.response_id, self.sink = hub, response_id, sink
         sink.follower = self
         self.state = REPLAY
-        self.last = 0
+        self.seq = Sequence()
         self.logged = True
-        self.ended: Callable[[], list[tuple[str, str]] | None] = _running
+        self.ended: Callable[[], list[EventData] | None] = _running
         self.authorized: Callable[[], bool] | None = None
         self.pending: list[Event] = []
         self.reread = self.reading = self.more = self.began = self.checking = False
@@ -59,7 +59,7 @@ class Follower:
         self.confirmed = threading.Event()  # the subscription is live (or Redis is away)
 
     def setup(self, after: int, logged: bool, ended, authorized) -> "Follower":
-        self.last, self.logged, self.ended, self.authorized = after, logged, ended, authorized
+        self.seq, self.logged, self.ended, self.authorized = Sequence(after), logged, ended, authorized
         self.state = REPLAY if logged else LIVE
         return self
 
@@ -91,24 +91,24 @@ class Follower:
             self._hold(batch)
             return
         events = batch.events
-        if events[0][0] == self.last + 1 and batch.contiguous and batch.final in (-1, len(events) - 1):
-            self.last = events[-1][0]  # the common case: the next events, frames shared with the others
+        if events[0][0] == self.seq.last + 1 and batch.contiguous and batch.final in (-1, len(events) - 1):
+            self.seq.last = events[-1][0]  # the common case: the next events, frames shared with the others
             self.sink.events(batch)
             if batch.final >= 0:
                 self.end(FINISHED)
             return
         fresh, final = [], False
         for i, event in enumerate(events):
-            if event[0] <= self.last:
+            if event[0] <= self.seq.last:
                 if event[1] in FINAL:
                     final = True  # it ended at or before the resume point: nothing more to send
                     break
                 continue  # already sent from the log
-            if event[0] != self.last + 1 and not jump:
+            if event[0] != self.seq.last + 1 and not jump:
                 self.pending.extend(events[i:])  # the log has what the channel lost, if it was logged
                 break
             fresh.append(event)
-            self.last = event[0]
+            self.seq.last = event[0]
             if event[1] in FINAL:
                 final = True
                 break
@@ -136,7 +136,7 @@ class Follower:
         self.reading, self.more = True, False
         if self.state == LIVE:
             self.state = GAP
-        self.hub.read(self, self.last, ask_ended, known)
+        self.hub.read(self, self.seq.last, ask_ended, known)
 
     def read_on(self) -> None:
         """The sink took the last page of a replay: the next one."""
@@ -156,20 +156,16 @@ class Follower:
         if page:
             batch = page if isinstance(page, Batch) else Batch(page)
             page = batch.events
-            self.last = page[-1][0]
-            self.hub.advanced(self.response_id, self.last)
+            self.seq.last = page[-1][0]
+            self.hub.advanced(self.response_id, self.seq.last)
             self.sink.events(batch)
             if self.state == ENDED:
                 return
         if final:
             self.end(FINISHED)
         elif ending is not None:
-            if ending and self.last == 0 and ending[0][0] != CREATED:
-                # Nothing reached this stream (a direct response whose worker died before its first
-                # event): it starts with response.created all the same.
-                ending = [created_before(self.response_id, ending), *ending]
             if ending:
-                self.sink.events(Batch(Sequence(self.last).number(ending)))
+                self.sink.events(Batch(self.seq.closing(ending)))
             self.end(FINISHED)
         elif (page and len(page) >= reads.PAGE) or self.reread:
             self.reread, self.more = False, True
@@ -177,7 +173,7 @@ class Follower:
                 self.read_on()
         else:
             self.state = LIVE
-            self.hub.advanced(self.response_id, self.last)
+            self.hub.advanced(self.response_id, self.seq.last)
             if self.logged and not gained:
                 self.pending = []  # a gap the log does not fill (published means logged): the polls see to it
             self._take_pending(jump=not self.logged)
@@ -223,7 +219,7 @@ class Follower:
         self.pending = []
         self.hub.forget(self)
         if not keep_socket:
-            self.sink.finish(how, exc, self.last)
+            self.sink.finish(how, exc, self.seq.last)
 
 
 def _running():

@@ -9,7 +9,7 @@ from wsproto.frame_protocol import FrameProtocol
 from wsproto.utilities import generate_accept_token
 
 from common.errors import LMSPError, problem
-from common.events import ERROR, FINAL, HEARTBEAT, dumps, sse, sse_many, ws_frame
+from common.events import ERROR, FINAL, HEARTBEAT, ErrorEvent, encode, sse, sse_many, ws_frame
 
 log = logging.getLogger("lmsp.live")
 Event = tuple[int, str, str]  # (seq, event name, data as JSON)
@@ -66,15 +66,16 @@ def error_doc(exc: BaseException | None, path: str | None) -> dict:
     return problem("server_error", "The stream failed; reconnect with Last-Event-ID to continue")
 
 
-def stream_error(seq: int, doc: dict | None = None) -> str:
-    """The SSE ``error`` event (with id ``seq``) that ends a stream the server cannot go on with;
-    without ``doc``, an unexpected failure, logged here."""
+def stream_error(position: int, doc: dict | None = None) -> str:
+    """The SSE ``error`` event that ends a stream the server cannot go on with; without ``doc``, an
+    unexpected failure, logged here. It is not one of the response's events (6.3), so no number is made
+    for it: its id is the stream's ``position`` (the last id sent), the one to resume from."""
     if doc is None:
         log.exception("event stream failed")
         doc = problem("server_error", "The stream failed; reconnect with Last-Event-ID to continue")
-    return sse(seq, ERROR, dumps({"error": doc}))
+    return sse(position, ERROR, encode(ErrorEvent(error=doc)))
 
 
-def ws_error(seq: int, exc: BaseException | None, path: str | None) -> str:
-    """The WebSocket frame of the ``error`` event that ends a failed stream."""
-    return ws_frame(seq, ERROR, dumps({"error": error_doc(exc, path)}))
+def ws_error(position: int, exc: BaseException | None, path: str | None) -> str:
+    """The WebSocket frame of the ``error`` event that ends a failed stream (its id: as ``stream_error``'s)."""
+    return ws_frame(position, ERROR, encode(ErrorEvent(error=error_doc(exc, path))))

@@ -205,7 +205,7 @@ class Connection:
             obj = warm_direct(svc, self.principal, prepared)
             request = prepared.request.model_dump(mode="json", by_alias=True, exclude_none=True)
             self._remember(Remembered(obj["id"], obj["status"], request, []))
-            for event in events.Sequence().number(events.of_response(obj)):
+            for event in events.of_response(obj):
                 self.send(frame(event, create.stream_id))
             return
         run = direct.launch(svc, self.principal, prepared)

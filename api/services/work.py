@@ -19,7 +19,6 @@ from api.services.validation import Prepared
 from common import events, interactive_wire, lifecycle, liveness, timeline, wire
 from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError, problem
-from common.events import dumps
 from common.resources import response_object, task_object
 from common.states import FAILED, QUEUED, SUCCEEDED, R
 from common.tables import Response, Task
@@ -117,23 +116,22 @@ class DirectWatch:
         self.sent = self.served = time.monotonic()
         self.orphaned: float | None = None  # since when its worker has looked expired
 
-    def __call__(self) -> list[tuple[str, str]] | None:
+    def __call__(self) -> list[events.EventData] | None:
         with self.svc.sessions() as session:
             row = session.get(Response, self.response_id)
             if row is not None and self._unstick(session, row):
                 session.commit()
                 row = session.get(Response, self.response_id, populate_existing=True)
         if row is None:  # lost with its lazy commit (lifecycle.create_direct) by a database crash
-            name, data = events.final(self.response_id, R.FAILED, error=lifecycle.restarted_error(
+            ending = events.final(self.response_id, R.FAILED, error=lifecycle.restarted_error(
                 "The database restarted and lost this response; send the request again"))
         elif row.status in (R.QUEUED, R.IN_PROGRESS):
             return None
         else:
-            name, data = events.final(row.id, row.status, usage=row.usage, error=row.error,
-                                      incomplete_details=row.incomplete_details, response=response_object(row))
-        # Numbered by the follower (events.Sequence) after the last it sent; one that sent nothing yet
-        # puts response.created first (api/live/).
-        return [(name, dumps(data))]
+            ending = events.final(row.id, row.status, usage=row.usage, error=row.error,
+                                  incomplete_details=row.incomplete_details, response=response_object(row))
+        # Numbered by the follower's Sequence after the last it sent (``Sequence.closing``).
+        return [ending]
 
     def _unstick(self, session: Session, row: Response) -> bool:
         """True when it failed the response now."""
@@ -253,7 +251,7 @@ def list_tasks_page(session: Session, registry, rows: list[Task], limit: int) ->
     return wire.TaskList(data=data, has_more=more, next_cursor=page[-1].id if more else None).wire()
 
 
-def task_doc(task: Task, response: Response | None, registry, attempts=()) -> wire.Task:
+def task_doc(task: Task, response: Response | None, registry, attempts=()) -> wire.TaskObject:
     spec = registry.models.get(task.model)  # a model since removed keeps its events readable
     return task_object(task, response, event_resume=spec is None or spec.public_capabilities()["event_resume"],
                        attempts=attempts)

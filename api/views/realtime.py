@@ -16,11 +16,10 @@ from simple_websocket import ConnectionClosed
 
 from api.auth import check_scope, hold_stream, principal, still_authorized
 from api.extensions import services
-from api.operations import bare_answer, operation
+from api.operations import EVENT_KINDS, EVENTS, bare_answer, operation
 from api.ratelimit import StreamSlots
 from api.services.lanes import Connection, error_event
 from api.websocket import check_handshake
-from common import wire
 from common.errors import LMSPError, problem
 
 log = logging.getLogger("lmsp.api")
@@ -92,9 +91,6 @@ def connect(ws) -> None:
         conn.close()
 
 
-EVENTS = {"x-lmsp-events": {name: {"$ref": f"#/components/schemas/{model.__name__}"}
-                            for name, model in wire.EVENTS.items()}}
-
 sock.route("", bp=bp)(operation(
     "responsesWebSocket", "WebSocket mode: create responses over one connection", tag="responses", scope=SCOPE,
     answers={101: bare_answer(
@@ -108,7 +104,7 @@ sock.route("", bp=bp)(operation(
         "message}, \"status\": n}`. `previous_response_id` reads the connection's own finished responses, "
         "then stored ones. Closing the socket aborts its generations. The server closes with 1001 after "
         "LMSP_WS_MAX_CONNECTION_SECONDS, with 1008 when the token is revoked and with 1012 when it restarts.",
-        models=tuple(dict.fromkeys(wire.EVENTS.values())), **EVENTS)},
+        models=EVENT_KINDS, **EVENTS)},
     errors=[(400, "invalid_request", "A bad WebSocket handshake (param names the header)"),
             (405, "method_not_allowed", "Not an upgrade request: a plain GET is not allowed here"),
             (429, "rate_limited", "Too many connections (LMSP_WS_MAX_CONNECTIONS_PER_PRINCIPAL) or streams "

@@ -18,7 +18,7 @@ bp = Blueprint("responses", __name__, url_prefix="/lmsp/v1/responses")
     answers={200: json_answer(
         "With `stream: false`: the finished response object (status completed, incomplete or cancelled; a "
         "failed generation answers its problem instead). With `stream: true`: server-sent events (6.3), ids 1, "
-        "2, ... from response.created to the one final event. A direct stream cannot be resumed.", wire.Response,
+        "2, ... from response.created to the one final event. A direct stream cannot be resumed.", wire.ResponseObject,
         also=sse_answer("", "Server-sent events: `id:`, `event:` and a JSON `data:` line per event; "
                             "`: keep-alive` comments in between"))},
     errors=[*direct.ERRORS,

@@ -75,7 +75,7 @@ def _stream_query() -> tuple[bool, int]:
            answers={200: json_answer(
                "The response as it is now (a background response is `queued` until a worker starts it). With "
                "`stream=true`: a background response's events (6.3) from `response.created`, or after "
-               "`starting_after`, live until the final event", wire.Response,
+               "`starting_after`, live until the final event", wire.ResponseObject,
                also=sse_answer("", "Server-sent events: `id:`, `event:` and a JSON `data:` line per event"))},
            errors=[(400, "invalid_request", "unsupported_capability", "A bad `stream` or `starting_after`, or "
                     "stream=true on a response that was not created with background: true"),
@@ -100,7 +100,7 @@ def get(response_id: str):
 @operation("cancelResponse", "Cancel a background response (idempotent)", tag="responses", scope="responses:write",
            answers={200: json_answer("The response: cancelled once its worker has stopped (waited for up to "
                                      f"{CANCEL_WAIT_SECONDS:g} s, else still in_progress); one that had already "
-                                     "ended, as it ended", wire.Response)},
+                                     "ended, as it ended", wire.ResponseObject)},
            errors=[(400, "invalid_request", "The response was not created with background: true"),
                    (404, "response_not_found")],
            params=["ResponseId"])

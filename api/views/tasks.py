@@ -46,7 +46,7 @@ def _accepted(doc: dict) -> Response:
 @bp.post("")
 @operation("createTask", "Create a durable task (persisted before the answer)", tag="tasks", scope="tasks:write",
            answers={202: json_answer("The task, queued; replayed in its current state for a repeated "
-                                     "Idempotency-Key", wire.Task, "Location")},
+                                     "Idempotency-Key", wire.TaskObject, "Location")},
            errors=[PREPARE_ERRORS + ("unsupported_capability is also on_restart resume on a model without "
                                      "resume_snapshots",),
                    (404, "model_not_found", "response_not_found", "task_not_found",
@@ -86,7 +86,7 @@ def _replay(session, who, record) -> Response:
 @bp.get("/<task_id>")
 @operation("getTask", "A task (long poll with wait, conditional with If-None-Match)", tag="tasks",
            scope="tasks:read",
-           answers={200: json_answer("The task", wire.Task, "ETag"),
+           answers={200: json_answer("The task", wire.TaskObject, "ETag"),
                     304: bare_answer("The task still matches If-None-Match", "ETag")},
            errors=[(400, "invalid_request", "`wait` is not a number of seconds >= 0"), (404, "task_not_found")],
            params=["TaskId", "Wait", "IfNoneMatch"])
@@ -148,7 +148,7 @@ def _wait_for_change(svc, who: str, task_id: str, response_id: str, unchanged, w
 @bp.post("/<task_id>/cancel")
 @operation("cancelTask", "Cancel a task (idempotent)", tag="tasks", scope="tasks:cancel",
            answers={200: json_answer("The task in its current state: cancelled, or cancelling until the backend "
-                                     "stops", wire.Task)},
+                                     "stops", wire.TaskObject)},
            errors=[(404, "task_not_found"), (409, "task_not_cancelable", "The task already succeeded or failed")],
            params=["TaskId"])
 def cancel(task_id: str):

@@ -166,7 +166,8 @@ def run(stack: Stack, url: str, args) -> None:
     with sessions() as session:
         task = factories.task(session, "running", owner="bench", model="bench:followers")
         rid, tid = task.response_id, task.id
-        eventlog.append(session, rid, [(1, events.CREATED, events.dumps(events.created(rid)))])
+        numbering = events.Sequence()
+        eventlog.append(session, rid, numbering.number([events.ResponseCreated(response_id=rid)]))
         session.commit()
     path = f"/lmsp/v1/tasks/{tid}/{'ws' if args.ws else 'events'}"
     time.sleep(1.0)
@@ -189,20 +190,20 @@ def run(stack: Stack, url: str, args) -> None:
     held = len(followers.first) - len(followers.closed & set(followers.first))
     cpu0, committed = cpu_seconds(worker), {}
     item = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+    added = numbering.number([events.OutputItemAdded(response_id=rid, output_index=0, item=item)])
     with sessions() as session:
-        eventlog.append(session, rid, [(2, events.ITEM_ADDED, events.dumps(events.item_added(rid, 0, item)))])
+        eventlog.append(session, rid, added)
         session.commit()
-    publisher.publish(rid, [(2, events.ITEM_ADDED, events.dumps(events.item_added(rid, 0, item)))])
+    publisher.publish(rid, added)
     live_from = time.monotonic()
-    seq = 2
     for k in range(args.events):
-        seq += 1
-        delta = events.dumps(events.text_delta(rid, 0, "msg_1", f"word {k} "))
+        delta = numbering.number([events.TextDelta(response_id=rid, output_index=0, item_id="msg_1",
+                                                   delta=f"word {k} ")])
         with sessions() as session:
-            eventlog.append(session, rid, [(seq, events.TEXT_DELTA, delta)])
+            eventlog.append(session, rid, delta)
             session.commit()
-        committed[seq] = time.time()  # the lag is from the commit (the log's) to the client's socket
-        publisher.publish(rid, [(seq, events.TEXT_DELTA, delta)])
+        committed[delta[0][0]] = time.time()  # the lag is from the commit (the log's) to the client's socket
+        publisher.publish(rid, delta)
         followers.pump(args.every)
     live_seconds = time.monotonic() - live_from
     followers.pump(1.0)
@@ -212,12 +213,12 @@ def run(stack: Stack, url: str, args) -> None:
     delivered = sum(1 for arr in followers.arrived.values() for s in committed if s in arr)
     complete = sum(1 for arr in followers.arrived.values() if all(s in arr for s in committed))
     # The final event: every follower's stream must end.
-    seq += 1
-    name, data = events.final(rid, "completed", usage={"input_tokens": 1, "output_tokens": 1, "total_tokens": 2})
+    final = numbering.number([events.final(rid, "completed", usage={"input_tokens": 1, "output_tokens": 1,
+                                                                     "total_tokens": 2})])
     with sessions() as session:
-        eventlog.append(session, rid, [(seq, name, events.dumps(data))])
+        eventlog.append(session, rid, final)
         session.commit()
-    publisher.publish(rid, [(seq, name, events.dumps(data))])
+    publisher.publish(rid, final)
     followers.pump(15)
     ended = len(followers.closed)
     followers.close()

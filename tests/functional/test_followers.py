@@ -45,7 +45,8 @@ def sessions(pg_url):
 def _task(sessions):
     with sessions() as session:
         task = factories.task(session, "running", owner="fan", model="m")
-        eventlog.append(session, task.response_id, [(1, events.CREATED, events.dumps(events.created(task.response_id)))])
+        eventlog.append(session, task.response_id, events.Sequence().number([events.ResponseCreated(
+            response_id=task.response_id)]))
         session.commit()
         return task.id, task.response_id
 
@@ -72,11 +73,12 @@ def test_hundreds_of_followers_on_four_threads_get_every_event_once(small, sessi
         probe.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
         assert probe.recv(100).split()[1] == b"200"
     for seq in range(2, 12):
-        _write(sessions, publisher, rid, [(seq, events.TEXT_DELTA, events.dumps(events.text_delta(rid, 0, "m", f"{seq} ")))])
+        _write(sessions, publisher, rid, events.Sequence(seq - 1).number([events.TextDelta(
+            response_id=rid, output_index=0, item_id="m", delta=f"{seq} ")]))
         sse.pump(0.02)
         ws.pump(0.02)
-    name, data = events.final(rid, "completed", usage={"input_tokens": 1, "output_tokens": 10, "total_tokens": 11})
-    _write(sessions, publisher, rid, [(12, name, events.dumps(data))])
+    _write(sessions, publisher, rid, events.Sequence(11).number([events.final(
+        rid, "completed", usage={"input_tokens": 1, "output_tokens": 10, "total_tokens": 11})]))
     for followers, n in ((sse, SSE), (ws, WS)):
         followers.pump(15)
         assert len(followers.closed) == n  # the server ended every stream after the final event
@@ -93,11 +95,10 @@ def test_a_follower_that_stops_reading_is_cut_and_resumes_from_the_log(small, se
     slow.connect(("127.0.0.1", port))
     slow.sendall(f"GET /lmsp/v1/tasks/{tid}/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
     time.sleep(0.5)
-    big = events.dumps(events.text_delta(rid, 0, "m", "x" * 16384))
+    big = events.encode(events.TextDelta(response_id=rid, output_index=0, item_id="m", delta="x" * 16384))
     for first in range(2, 202, 10):  # 3 MiB in commits of 10, far past the kernel's buffers and 64 KiB
         _write(sessions, publisher, rid, [(seq, events.TEXT_DELTA, big) for seq in range(first, first + 10)])
-    name, data = events.final(rid, "completed", usage={})
-    _write(sessions, publisher, rid, [(202, name, events.dumps(data))])
+    _write(sessions, publisher, rid, events.Sequence(201).number([events.final(rid, "completed", usage={})]))
     time.sleep(3)  # none of its bytes taken for longer than the stall bound (2 s)
     slow.settimeout(10)
     got = b""
@@ -187,8 +188,8 @@ def test_a_ping_flood_is_closed_and_the_other_followers_do_not_notice(small, ses
     def publish(first: int, n: int) -> range:
         for seq in range(first, first + n):
             written[seq] = time.time()
-            _write(sessions, publisher, rid, [(seq, events.TEXT_DELTA, events.dumps(
-                events.text_delta(rid, 0, "m", f"{seq} ")))])
+            _write(sessions, publisher, rid, events.Sequence(seq - 1).number([events.TextDelta(
+                response_id=rid, output_index=0, item_id="m", delta=f"{seq} ")]))
             followers.pump(0.05)
         return range(first, first + n)
 

@@ -226,7 +226,7 @@ def test_a_direct_finish_racing_an_abort_ends_with_one_consistent_outcome(sessio
 
     def finish():
         with sessions() as session:
-            outcome["publish"] = lifecycle.finish(session, attempt, R.COMPLETED, first_seq=2, emitted=[],
+            outcome["publish"] = lifecycle.finish(session, attempt, R.COMPLETED, seq=events.Sequence(1), emitted=[],
                                                   output=[], usage={"input_tokens": 1, "output_tokens": 1,
                                                                     "total_tokens": 2}, logged=False)
             session.commit()

@@ -73,7 +73,7 @@ def test_a_stale_attempt_can_no_longer_write(sessions):
     with transaction(sessions) as session:
         assert lifecycle.append(session, {first: [(3, events.TEXT_DELTA, "{}")]}) == {first}
         with pytest.raises(Fenced):
-            lifecycle.finish(session, first, R.COMPLETED, first_seq=3, emitted=[], output=[], usage={})
+            lifecycle.finish(session, first, R.COMPLETED, seq=events.Sequence(2), emitted=[], output=[], usage={})
     assert [e[0] for e in log_of(sessions, rid)] == [1, 2]
 
 
@@ -167,7 +167,7 @@ def test_finish_continues_the_log_and_a_cancel_that_came_first_wins(sessions):
         lifecycle.start(session, attempt)
         lifecycle.cancel(session, session.get(Task, task_id))
     with transaction(sessions) as session:
-        lifecycle.finish(session, attempt, R.COMPLETED, first_seq=2, emitted=[], output=[], usage={})
+        lifecycle.finish(session, attempt, R.COMPLETED, seq=events.Sequence(1), emitted=[], output=[], usage={})
     assert status(sessions, task_id)[0] == "cancelled"
     with sessions() as session:
         assert session.get(Response, rid).status == "cancelled"

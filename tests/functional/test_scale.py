@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import event, select, text, update
 
-from common import eventlog, lifecycle, liveness, partitions
+from common import eventlog, events, lifecycle, liveness, partitions
 from common.db import make_engine, session_factory, transaction, upgrade
 from common.ids import id_floor
 from common.settings import Settings
@@ -97,7 +97,7 @@ def test_no_query_of_a_claim_a_sweep_or_the_writer_scans_a_table(crowded):
             claimed, _ = lifecycle.claim(session, crowded.queued[0], "w2")
             lifecycle.start(session, claimed.attempt)
             lifecycle.append(session, {claimed.attempt: [(2, "response.output_text.delta", "{}")]})
-            lifecycle.finish(session, claimed.attempt, lifecycle.R.COMPLETED, first_seq=3, emitted=[], output=[],
+            lifecycle.finish(session, claimed.attempt, lifecycle.R.COMPLETED, seq=events.Sequence(2), emitted=[], output=[],
                              usage={})
             eventlog.read(session, claimed.attempt.response_id, 0)
             lifecycle.followed_task(session, "crowd", crowded.queued[1])

@@ -69,11 +69,10 @@ class Caller:
             session.commit()
         return row
 
-    def log(self, task: Task, batch: list[tuple[str, dict]], first: int = 1) -> None:
-        """Append events to the task's log with consecutive seqs from ``first``."""
+    def log(self, task: Task, batch: list[events.EventData], first: int = 1) -> None:
+        """Append events to the task's log, numbered from ``first``."""
         with self.unit.sessions() as session:
-            eventlog.append(session, task.response_id,
-                            [(first + i, name, events.dumps(data)) for i, (name, data) in enumerate(batch)])
+            eventlog.append(session, task.response_id, events.Sequence(first - 1).number(batch))
             session.commit()
 
 

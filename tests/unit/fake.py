@@ -61,14 +61,15 @@ class FakeWorker:
         if self.gate is not None:
             self.gate.wait(30)
         builder = OutputBuilder(response_id, "text")
-        emitted = [(events.CREATED, events.created(response_id, response_object(row))), *builder.feed(self.text), *builder.finish()]
-        batch = [(seq, name, events.dumps(data)) for seq, (name, data) in enumerate(emitted, 1)]
+        seq = events.Sequence()
+        batch = seq.number([events.ResponseCreated(response_id=response_id, response=response_object(row)),
+                            *builder.feed(self.text), *builder.finish()])
         usage = {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
         with self.sessions() as session:
             if lifecycle.append(session, {attempt: batch}):
                 return  # no longer ours (the api aborted it): as the runner, write nothing more
             try:
-                lifecycle.finish(session, attempt, R.COMPLETED, first_seq=len(batch) + 1, emitted=[],
+                lifecycle.finish(session, attempt, R.COMPLETED, seq=seq, emitted=[],
                                  output=builder.items, usage=usage)
             except lifecycle.Fenced:
                 return

@@ -66,7 +66,7 @@ def test_completion_of_a_response():
 
 
 def chunks_of(obj, include_usage):
-    text = "".join(map(Chunks("m", include_usage), events.Sequence().number(events.of_response(obj))))
+    text = "".join(map(Chunks("m", include_usage), events.of_response(obj)))
     return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
 
 

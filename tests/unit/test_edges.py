@@ -335,10 +335,9 @@ def test_the_compile_budget_is_per_principal():
 def _finished_task(svc, n_events=3):
     with svc.sessions() as session:
         task = factories.task(session, "succeeded", owner="pat", model=MODEL)
-        batch = [(1, events.CREATED, events.dumps(events.created(task.response_id)))]
+        batch = events.Sequence().number([events.ResponseCreated(response_id=task.response_id)])
         batch += [(i, events.TEXT_DELTA, "{}") for i in range(2, n_events)]
-        name, data = events.final(task.response_id, "completed", usage={})
-        batch.append((n_events, name, events.dumps(data)))
+        batch += events.Sequence(n_events - 1).number([events.final(task.response_id, "completed", usage={})])
         eventlog.append(session, task.response_id, batch)
         task.ended_at = time.time()
         session.commit()

@@ -8,7 +8,7 @@ import uuid
 import pytest
 from sqlalchemy import select
 
-from common import fairshare, lifecycle
+from common import events, fairshare, lifecycle
 from common.states import R
 from common.tables import Principal, Task, VirtualTime
 from tests import factories
@@ -136,7 +136,7 @@ def test_use_corrects_the_charge(unit, alice):
         assert session.execute(clock).scalar() == 200.0  # the cancelled one's 200 given back
         got, _ = lifecycle.claim(session, first.id, "w", model=model)
         assert lifecycle.start(session, got.attempt)
-        lifecycle.finish(session, got.attempt, R.COMPLETED, first_seq=2, emitted=[], output=[],
+        lifecycle.finish(session, got.attempt, R.COMPLETED, seq=events.Sequence(1), emitted=[], output=[],
                          usage={"input_tokens": 100, "output_tokens": 20, "total_tokens": 120})
         session.commit()
         assert session.execute(clock).scalar() == 120.0  # charged 200, used 120

@@ -54,7 +54,7 @@ def test_a_lost_start_does_not_turn_a_finished_generation_into_cancelled(session
     task = queued(sessions)
     attempt = claim(sessions, task.id, "w1").attempt  # its start (loading -> running) was lost: still loading
     with sessions() as session:
-        publish = lifecycle.finish(session, attempt, R.COMPLETED, first_seq=2, emitted=[], output=[],
+        publish = lifecycle.finish(session, attempt, R.COMPLETED, seq=events.Sequence(1), emitted=[], output=[],
                                    usage=USAGE)
         session.commit()
         assert session.get(Task, task.id).status == "succeeded"
@@ -104,7 +104,7 @@ def test_a_finished_direct_response_is_final_once(sessions):
         session.commit()
         lifecycle.abort_direct(session, row.id)
         session.commit()
-        publish = lifecycle.finish(session, attempt, R.COMPLETED, first_seq=2, emitted=[], output=[],
+        publish = lifecycle.finish(session, attempt, R.COMPLETED, seq=events.Sequence(1), emitted=[], output=[],
                                    usage=USAGE, logged=False)
         session.commit()
         assert session.get(Response, row.id).status == R.CANCELLED

@@ -14,11 +14,11 @@ DONE = {**ITEM, "content": [{"type": "output_text", "text": "Hi!"}]}
 USAGE = {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
 
 
-def _script(rid: str) -> list[tuple[str, dict]]:
-    return [(events.CREATED, events.created(rid)), (events.ITEM_ADDED, events.item_added(rid, 0, ITEM)),
-            (events.TEXT_DELTA, events.text_delta(rid, 0, "msg_1", "Hi")),
-            (events.TEXT_DELTA, events.text_delta(rid, 0, "msg_1", "!")),
-            (events.ITEM_DONE, events.item_done(rid, 0, DONE)), events.final(rid, "completed", usage=USAGE)]
+def _script(rid: str) -> list[events.EventData]:
+    return [events.ResponseCreated(response_id=rid), events.OutputItemAdded(response_id=rid, output_index=0, item=ITEM),
+            events.TextDelta(response_id=rid, output_index=0, item_id="msg_1", delta="Hi"),
+            events.TextDelta(response_id=rid, output_index=0, item_id="msg_1", delta="!"),
+            events.OutputItemDone(response_id=rid, output_index=0, item=DONE), events.final(rid, "completed", usage=USAGE)]
 
 
 def _running():
@@ -63,7 +63,7 @@ def test_replay_of_a_finished_log_ends_with_the_final_event(unit, alice):
     batches = list(follow(_hub(unit), task.response_id, 0, logged=True, heartbeat=1, ended=_running))
     got = [event for batch in batches for event in batch]
     assert [seq for seq, _, _ in got] == [1, 2, 3, 4, 5, 6]
-    assert [name for _, name, _ in got] == [name for name, _ in _script(task.response_id)]
+    assert [name for _, name, _ in got] == [event.name for event in _script(task.response_id)]
     assert got[-1][1] == events.COMPLETED
 
 
@@ -88,7 +88,7 @@ def test_a_stream_that_ends_before_its_first_event_still_starts_with_created(uni
     task = alice.task("running")
     failed = events.final(task.response_id, "failed", error={"code": "server_restarted"})
     batches = follow(_hub(unit), task.response_id, 0, logged=True, heartbeat=1,
-                     ended=lambda: [(failed[0], events.dumps(failed[1]))])
+                     ended=lambda: [failed])
     got = [(seq, name) for batch in batches for seq, name, _ in batch]
     assert got == [(1, events.CREATED), (2, events.FAILED)]
 
@@ -160,7 +160,8 @@ def test_a_replay_longer_than_a_page_comes_whole_and_in_order(unit, alice, monke
     monkeypatch.setattr("api.live.reads.PAGE", 2)  # 6 events and a stray: four reads
     task = alice.task("succeeded")
     script = _script(task.response_id)
-    alice.log(task, [*script, (events.TEXT_DELTA, events.text_delta(task.response_id, 0, "msg_1", "late"))])
+    alice.log(task, [*script, events.TextDelta(response_id=task.response_id, output_index=0, item_id="msg_1",
+                                               delta="late")])
     batches = list(follow(_hub(unit), task.response_id, 0, logged=True, heartbeat=1, ended=_running))
     assert [len(batch) for batch in batches] == [2, 2, 2]
     assert [seq for batch in batches for seq, _, _ in batch] == [1, 2, 3, 4, 5, 6]  # nothing after the final
@@ -173,7 +174,8 @@ def test_sse_frames_are_the_spec_form_byte_for_byte(unit, alice):
     script = _script(task.response_id)
     alice.log(task, script)
     expected = "".join(f'id: {seq}\nevent: {name}\ndata: {{"type":"{name}","sequence_number":{seq},'
-                       f'{events.dumps(data)[1:]}\n\n' for seq, (name, data) in enumerate(script, 1))
+                       f'{events.encode(event)[1:]}\n\n' for seq, (name, event) in
+                       enumerate(((event.name, event) for event in script), 1))
     assert events.sse_many([(1, events.CREATED, "{}")]) == events.sse(1, events.CREATED, "{}")
     resp = alice.get(f"/lmsp/v1/tasks/{task.id}/events")
     assert resp.status_code == 200 and resp.get_data(as_text=True) == expected
@@ -215,9 +217,9 @@ def test_a_follower_that_is_not_read_falls_back_to_the_log_and_holds_its_bound(u
     alice.log(task, script[:1])
     stream = follow(hub, task.response_id, 0, logged=True, heartbeat=5, ended=_running)
     assert [seq for seq, _, _ in next(stream)] == [1]
-    big = events.text_delta(task.response_id, 0, "msg_1", "x" * 1000)
+    big = events.TextDelta(response_id=task.response_id, output_index=0, item_id="msg_1", delta="x" * 1000)
     for seq in range(2, 40):  # ~40 KB: ten times the bound, read by nobody
-        alice.log(task, [(events.TEXT_DELTA, big)], first=seq)
+        alice.log(task, [big], first=seq)
         time.sleep(0.01)
     time.sleep(0.5)  # the polls deliver what is left
     (follower,) = hub.topic(task.response_id).followers

@@ -7,8 +7,9 @@ from common import events
 
 
 def _script(rid):
-    return [(events.CREATED, events.created(rid)), (events.TEXT_DELTA, events.text_delta(rid, 0, "m", "a")),
-            events.final(rid, "completed", usage={}), (events.TEXT_DELTA, events.text_delta(rid, 0, "m", "stray"))]
+    return [events.ResponseCreated(response_id=rid), events.TextDelta(response_id=rid, output_index=0, item_id="m", delta="a"),
+            events.final(rid, "completed", usage={}),
+            events.TextDelta(response_id=rid, output_index=0, item_id="m", delta="stray")]
 
 
 def test_a_page_ends_at_the_final_event(unit, alice, monkeypatch):

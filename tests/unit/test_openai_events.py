@@ -25,10 +25,10 @@ def response(output, status="completed") -> dict:
 
 
 def helper(emitted):
-    """What the SDK's helper makes of (name, data) events, numbered and framed as the service sends them."""
+    """What the SDK's helper makes of events, numbered and framed as the service sends them."""
     state = ResponseStreamState(text_format=omit, input_tools=omit)
     fired = []
-    for seq, name, data in events.Sequence().number(emitted):
+    for seq, name, data in emitted if isinstance(emitted[0], tuple) else events.Sequence().number(emitted):
         fired += state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent,
                                                              value=json.loads(events.typed(seq, name, data))))
     return state, fired
@@ -38,7 +38,7 @@ def test_a_generated_stream_gives_the_helper_its_final_response():
     builder = OutputBuilder(RID, "tool_auto", reasoning=True)
     body = [*builder.feed("<think>hm</think>Hello"), *builder.feed(" there"), *builder.finish()]
     final = response(builder.items)
-    state, fired = helper([(events.CREATED, events.created(RID, events.started(final))), *body,
+    state, fired = helper([events.ResponseCreated(response_id=RID, response=events.started(final)), *body,
                            events.final(RID, "completed", usage=final["usage"], response=final)])
     deltas = [e for e in fired if e.type == "response.output_text.delta"]
     assert [d.snapshot for d in deltas] == ["Hello", "Hello there"]  # the part the delta's content_index names
@@ -58,7 +58,7 @@ def test_a_replayed_stream_of_every_item_kind_satisfies_the_helper():
 def test_without_a_response_on_response_created_the_helper_fails():
     """What the SDK did with the old events (the issue's AttributeError): the test above can fail."""
     with pytest.raises(AttributeError):
-        helper([(events.CREATED, events.created(RID))])
+        helper([events.ResponseCreated(response_id=RID)])
 
 
 def _row(items) -> Response:

@@ -140,20 +140,20 @@ def test_failed_task_carries_its_problem(doc, alice):
 def test_event_stream_matches_the_event_schemas(doc, alice):
     task = alice.task("succeeded")
     rid = task.response_id
-    script = [(events.CREATED, events.created(rid, events.started(response(rid)))),
-              (events.ITEM_ADDED, events.item_added(rid, 0, {**OUTPUT[0], "content": []})),
-              (events.PART_ADDED, events.part_added(rid, 0, "msg_1")),
-              (events.TEXT_DELTA, events.text_delta(rid, 0, "msg_1", "Hi")),
-              (events.ITEM_DONE, events.item_done(rid, 0, OUTPUT[0])),
-              (events.ATTEMPT_STARTED, events.attempt_started(rid, 2)),
-              (events.REASONING_DELTA, events.summary_delta(rid, 1, "rs_1", "hm")),
+    script = [events.ResponseCreated(response_id=rid, response=events.started(response(rid))),
+              events.OutputItemAdded(response_id=rid, output_index=0, item={**OUTPUT[0], "content": []}),
+              events.ContentPartAdded(response_id=rid, output_index=0, item_id="msg_1"),
+              events.TextDelta(response_id=rid, output_index=0, item_id="msg_1", delta="Hi"),
+              events.OutputItemDone(response_id=rid, output_index=0, item=OUTPUT[0]),
+              events.AttemptStarted(response_id=rid, attempt=2),
+              events.SummaryDelta(response_id=rid, output_index=1, item_id="rs_1", delta="hm"),
               events.final(rid, "completed", usage=USAGE, response=response(rid))]
     alice.log(task, script)
     template = "/lmsp/v1/tasks/{task_id}/events"
     text = check(doc, alice, "GET", template, f"/lmsp/v1/tasks/{task.id}/events", 200)
     media = doc["paths"][template]["get"]["responses"]["200"]["content"]["text/event-stream"]
     received = parse_sse(text.split("\n"))
-    assert [name for _, name, _ in received] == [name for name, _ in script]
+    assert [name for _, name, _ in received] == [event.name for event in script]
     for _, name, data in received:
         _validator(doc, media["x-lmsp-events"][name]).validate(data)
     check(doc, alice, "GET", template, f"/lmsp/v1/tasks/{task.id}/events?after=-1", 400)
@@ -166,9 +166,10 @@ def test_every_final_event_and_problem_matches_its_schema(doc):
     for status, kw in (("completed", {"usage": USAGE}), ("failed", {"error": problem("generation_failed", "x")}),
                        ("incomplete", {"usage": USAGE, "incomplete_details": {"reason": "max_output_tokens"}}),
                        ("cancelled", {})):
-        name, data = events.final("resp_1", status, **kw, response=response(status=status, **kw))
-        _validator(doc, named[name]).validate(json.loads(events.typed(7, name, events.dumps(data))))
-        assert not _validator(doc, named[name]).is_valid(data)  # type and sequence_number are always sent
+        ending = events.final("resp_1", status, **kw, response=response(status=status, **kw))
+        data = events.encode(ending)
+        _validator(doc, named[ending.name]).validate(json.loads(events.typed(7, ending.name, data)))
+        assert not _validator(doc, named[ending.name]).is_valid(json.loads(data))  # type and sequence_number are always sent
     for code in CODES:
         schema(doc, "Problem").validate(problem(code, "detail", instance="/x", param="p"))
 
@@ -178,7 +179,7 @@ def test_schemas_reject_wrong_answers(doc):
     assert not schema(doc, "Problem").is_valid({"title": "x", "status": 400})
     assert not schema(doc, "Problem").is_valid({"type": "t", "title": "x", "status": 400, "code": "c",
                                                  "detail": "d", "param": None})
-    assert not schema(doc, "Task").is_valid({"id": "task_1", "object": "task"})
+    assert not schema(doc, "TaskObject").is_valid({"id": "task_1", "object": "task"})
     assert not schema(doc, "Model").is_valid({"id": "m", "object": "model", "context_window": 1,
                                               "max_output_tokens": 1, "capabilities": {}, "status": "ready",
                                               "workers": 1})

@@ -8,11 +8,16 @@ from common.protocol import ResponseRequest
 from worker.output import OutputBuilder
 
 
+def sent(emitted) -> list[tuple[str, dict]]:
+    """(name, data) of each event as it is sent."""
+    return [(event.name, json.loads(events.encode(event))) for event in emitted]
+
+
 def run(builder, chunks):
     emitted = []
     for chunk in chunks:
         emitted += builder.feed(chunk)
-    return emitted + builder.finish()
+    return sent(emitted + builder.finish())
 
 
 def test_reasoning_becomes_a_reasoning_item_with_summary_text():
@@ -62,12 +67,12 @@ def test_empty_generation_still_answers_one_message():
 
 def test_replay_rebuilds_state_and_continues_the_same_item():
     first = OutputBuilder("resp_1", "text")
-    logged = first.feed("Once upon")
+    logged = sent(first.feed("Once upon"))
     resumed = OutputBuilder("resp_1", "text")
     for name, data in logged:
         resumed.replay(name, json.loads(json.dumps(data)))
     assert resumed.raw == "Once upon"
-    emitted = resumed.feed(" a time") + resumed.finish()
+    emitted = sent(resumed.feed(" a time") + resumed.finish())
     assert emitted[0] == (events.TEXT_DELTA, {"response_id": "resp_1", "output_index": 0,
                                               "item_id": logged[0][1]["item"]["id"], "content_index": 0,
                                               "delta": " a time"})

@@ -1,5 +1,7 @@
 """POST /responses end to end without an engine: the fake worker answers through the real output builder."""
 
+import jsonschema
+
 from common import events, wire
 from tests.harness import parse_sse
 from tests.unit.conftest import MODEL, problem, request_body
@@ -10,7 +12,7 @@ def test_sync_answer_is_a_response_object(unit, alice):
     with FakeWorker(unit.sessions, MODEL, text="Hello there"):
         resp = alice.post("/lmsp/v1/responses", request_body(store=True))
     assert resp.status_code == 200 and resp.mimetype == "application/json"
-    body = wire.Response.model_validate(resp.get_json())
+    body = wire.ResponseObject.model_validate(resp.get_json())
     assert body.status == "completed" and body.output[0].content[0].text == "Hello there"
     assert alice.get(f"/lmsp/v1/responses/{body.id}").get_json() == resp.get_json()  # stored
 
@@ -24,8 +26,10 @@ def test_stream_sends_numbered_events_ending_with_the_final_one(unit, alice):
     assert [seq for seq, _, _ in received] == list(range(1, len(received) + 1))
     assert received[0][1] == events.CREATED and received[-1][1] == events.COMPLETED
     assert "".join(data["delta"] for _, name, data in received if name == events.TEXT_DELTA) == "Hello there"
+    doc = alice.get("/lmsp/v1/openapi.json").get_json()  # each event's data is what its struct documents
+    named = doc["paths"]["/lmsp/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]
     for _, name, data in received:
-        wire.EVENTS[name].model_validate(data)
+        jsonschema.Draft202012Validator({**named["x-lmsp-events"][name], "components": doc["components"]}).validate(data)
 
 
 def test_no_worker_no_response(unit, alice):

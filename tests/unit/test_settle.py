@@ -7,7 +7,7 @@ import uuid
 import pytest
 from sqlalchemy import select
 
-from common import fairshare, lifecycle
+from common import events, fairshare, lifecycle
 from common.errors import problem
 from common.states import R
 from common.tables import Task, VirtualTime
@@ -83,7 +83,7 @@ def test_a_retry_tasks_thrown_away_attempt_is_counted(fair):
     assert clock() == 350.0  # 200 charged + the 150 the first attempt used, which the next repeats
     again, _ = lifecycle.claim(session, got.task.id, "w2", model=got.task.model)
     assert lifecycle.start(session, again.attempt)
-    lifecycle.finish(session, again.attempt, R.COMPLETED, first_seq=2, emitted=[], output=[],
+    lifecycle.finish(session, again.attempt, R.COMPLETED, seq=events.Sequence(1), emitted=[], output=[],
                      usage={"input_tokens": 100, "output_tokens": 20, "total_tokens": 120})
     session.commit()
     assert clock() == 270.0  # 150 + 120: both attempts, nothing more
@@ -92,7 +92,7 @@ def test_a_retry_tasks_thrown_away_attempt_is_counted(fair):
 def test_settling_twice_gives_back_once(fair):
     session, clock, running = fair
     got = running()
-    lifecycle.finish(session, got.attempt, R.COMPLETED, first_seq=2, emitted=[], output=[],
+    lifecycle.finish(session, got.attempt, R.COMPLETED, seq=events.Sequence(1), emitted=[], output=[],
                      usage={"input_tokens": 100, "output_tokens": 20, "total_tokens": 120})
     session.commit()
     assert clock() == 120.0

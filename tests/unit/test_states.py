@@ -6,7 +6,7 @@ import json
 import pytest
 from sqlalchemy import select
 
-from common import states
+from common import events, states
 from common.tables import Task
 from tests import factories
 from tests.unit.conftest import problem
@@ -70,7 +70,7 @@ def test_finished_tasks_cannot_be_cancelled(alice, status):
 
 def test_cancelling_a_queued_task_logs_the_final_event(alice):
     task = alice.task("queued")
-    alice.log(task, [("response.created", {"response_id": task.response_id, "status": "in_progress"})])
+    alice.log(task, [events.ResponseCreated(response_id=task.response_id)])
     alice.post(f"/lmsp/v1/tasks/{task.id}/cancel")
     text = alice.get(f"/lmsp/v1/tasks/{task.id}/events").get_data(as_text=True)
     # The data also carries the event's type and sequence number (the OpenAI SDK reads them there).
