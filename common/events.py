@@ -79,66 +79,64 @@ class OutputItemDone(OutputItemAdded, kw_only=True):
     name = ITEM_DONE
 
 
-class ContentPartAdded(EventData, kw_only=True):
-    """A message's text part opens (before its first delta), as OpenAI's API sends it."""
-    name = PART_ADDED
+class PartEvent(EventData, kw_only=True):
+    """What every event about a part of an item carries first."""
     response_id: str
     output_index: Index
     item_id: str
+
+
+class ContentPartAdded(PartEvent, kw_only=True):
+    """A message's text part opens (before its first delta), as OpenAI's API sends it."""
+    name = PART_ADDED
     content_index: Literal[0] = 0
     part: wire.OutputText = msgspec.field(default_factory=lambda: {"type": "output_text", "text": ""})
 
 
-class TextDelta(EventData, kw_only=True):
+class TextDelta(PartEvent, kw_only=True):
     """A message's text (its one part: content_index 0, as the OpenAI SDK reads it)."""
     name = TEXT_DELTA
-    response_id: str
-    output_index: Index
-    item_id: str
     content_index: Literal[0] = 0
     delta: str
 
 
-class SummaryDelta(EventData, kw_only=True):
+class SummaryDelta(PartEvent, kw_only=True):
     """A reasoning item's summary text (its one part)."""
     name = REASONING_DELTA
-    response_id: str
-    output_index: Index
-    item_id: str
     summary_index: Literal[0] = 0
     delta: str
 
 
-class Completed(EventData, kw_only=True):
-    name = COMPLETED
+class FinalEvent(EventData, kw_only=True):
+    """What every final event (``FINAL``: one a response, its last) carries first; each kind fixes
+    ``status``."""
     response_id: str
-    status: Literal["completed"] = "completed"
+    status: str
     response: Shown = UNSET
+
+
+class Completed(FinalEvent, kw_only=True):
+    name = COMPLETED
+    status: Literal["completed"] = "completed"
     usage: wire.Usage
 
 
-class Incomplete(EventData, kw_only=True):
+class Incomplete(FinalEvent, kw_only=True):
     name = INCOMPLETE
-    response_id: str
     status: Literal["incomplete"] = "incomplete"
-    response: Shown = UNSET
     incomplete_details: wire.IncompleteDetails
     usage: wire.Usage
 
 
-class Failed(EventData, kw_only=True):
+class Failed(FinalEvent, kw_only=True):
     name = FAILED
-    response_id: str
     status: Literal["failed"] = "failed"
-    response: Shown = UNSET
     error: wire.Problem
 
 
-class Cancelled(EventData, kw_only=True):
+class Cancelled(FinalEvent, kw_only=True):
     name = CANCELLED
-    response_id: str
     status: Literal["cancelled"] = "cancelled"
-    response: Shown = UNSET
 
 
 class ErrorEvent(EventData, kw_only=True):
@@ -158,7 +156,6 @@ class AttemptStarted(EventData, kw_only=True):
 KINDS: dict[str, type[EventData]] = {kind.name: kind for kind in (
     ResponseCreated, OutputItemAdded, ContentPartAdded, TextDelta, SummaryDelta, OutputItemDone, Completed,
     Incomplete, Failed, Cancelled, ErrorEvent, AttemptStarted)}
-_FINALS = {"completed": Completed, "incomplete": Incomplete, "failed": Failed, "cancelled": Cancelled}
 _encode = msgspec.json.Encoder().encode
 
 
@@ -168,7 +165,7 @@ def encode(event: EventData) -> str:
 
 
 def final(rid: str, status: str, *, usage=None, error=None, incomplete_details=None,
-          response: dict | None = None) -> EventData:
+          response: dict | None = None) -> FinalEvent:
     """The one final event for a response in ``status``; ``response``: its final object (see
     ``ResponseCreated``)."""
     shown = UNSET if response is None else response
@@ -186,11 +183,11 @@ def started(obj: dict) -> dict:
     return {**obj, "status": "in_progress", "output": [], "usage": None, "error": None, "incomplete_details": None}
 
 
-def created_before(ending: EventData) -> ResponseCreated:
+def created_before(ending: FinalEvent) -> ResponseCreated:
     """``response.created`` for a stream that got nothing before ``ending`` (its final event, made up by
     the api when the worker died first): its response as it was at the start."""
-    shown = getattr(ending, "response", UNSET)
-    return ResponseCreated(response_id=ending.response_id, response=UNSET if shown is UNSET else started(shown))
+    return ResponseCreated(response_id=ending.response_id,
+                           response=UNSET if ending.response is UNSET else started(ending.response))
 
 
 Event = tuple[int, str, str]  # (seq, name, data as JSON): a numbered event, as logged and published
