@@ -24,8 +24,8 @@ from api.services.validation import Prepared, prepare
 from api.services.work import DirectWatch, abort_direct, create_direct, response_json
 from common import events
 from common.errors import TRANSIENT
+from common.events import Event
 
-Event = tuple[int, str, str]  # (seq, name, data JSON)
 # The problems of every direct request, in its endpoint's operation (api/operations.py) with its own.
 ERRORS = (PREPARE_ERRORS, (409, "idempotency_key_in_use"), *BODY_ERRORS, (422, "idempotency_key_reused"),
           (500, "server_error", "generation_failed", "server_restarted",

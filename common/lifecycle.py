@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from common import eventlog, events, fairshare, liveness
 from common.db import Compiled, commit_lazily, db_now, run_batch
 from common.errors import LMSPError, problem
-from common.events import Sequence
+from common.events import Event, Sequence
 from common.ids import is_id, new_id
 from common.resources import event_response, is_background
 from common.states import (
@@ -42,7 +42,6 @@ from common.states import (
 from common.tables import Base, QueueCount, Response, Task, Worker
 from common.tables import Event as EventRow
 
-Event = tuple[int, str, str]
 Publish = dict[str, list[Event]]   # response id -> events to publish after the commit
 
 

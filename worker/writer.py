@@ -18,11 +18,11 @@ from common import lifecycle
 from common.bus import Publisher
 from common.db import transact_retrying
 from common.errors import problem
+from common.events import Event
 from common.lifecycle import Attempt
 from worker import metrics
 
 log = logging.getLogger("lmsp.writer")
-Event = tuple[int, str, str]
 # A commit waits up to LINGER_S after its first event for others, unless LINGER_EVENTS are pending: a few
 # ms on a task's 200 ms delta window, for half as many commits (measured with simulated workers).
 LINGER_S, LINGER_EVENTS = 0.005, 256

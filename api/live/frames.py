@@ -9,10 +9,9 @@ from wsproto.frame_protocol import FrameProtocol
 from wsproto.utilities import generate_accept_token
 
 from common.errors import LMSPError, problem
-from common.events import ERROR, FINAL, HEARTBEAT, ErrorEvent, encode, sse, sse_many, ws_frame
+from common.events import ERROR, FINAL, HEARTBEAT, ErrorEvent, Event, encode, sse, sse_many, ws_frame
 
 log = logging.getLogger("lmsp.live")
-Event = tuple[int, str, str]  # (seq, event name, data as JSON)
 SHUTDOWN_NOTE = ": this server is shutting down; reconnect with Last-Event-ID to continue\n\n"
 KEEP_ALIVE = HEARTBEAT.encode()
 # A handed-over SSE body is chunked (HTTP/1.1): clients that read a body by size (urllib3, so requests'
