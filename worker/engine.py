@@ -112,7 +112,6 @@ class EngineHost(GatedHost):
         self._tok_params = self._llm.renderer.default_cmpl_tok_params.with_kwargs(add_special_tokens=False)
 
     async def _pump(self, req: Request, prompt: str | list[int], out: queue.Queue) -> None:
-        request_id, params = req.request_id, req.params
         (engine_input,) = await self._llm.renderer.render_cmpl_async(
             [
                 TextPrompt(prompt=prompt)
@@ -122,47 +121,41 @@ class EngineHost(GatedHost):
             self._tok_params,
         )
         prompt_ids = list(engine_input["prompt_token_ids"])
-        self._requests[request_id] = req
-        while True:
-            await self._admit(req)
-            if req.cancelled:
-                out.put(Delta(text="", token_ids=0, finish_reason="abort", prompt_tokens=len(prompt_ids)))
-                return
-            if req.paused:  # paused again before it started
-                req.paused = False
-                continue
-            if req.output_ids:  # resuming after a pause
-                engine_input = TokensPrompt(prompt_token_ids=prompt_ids + req.output_ids)
-            try:
-                async for res in self._llm.generate(
-                    engine_input,
-                    self._sampling_params(params, len(req.output_ids)),
-                    req.engine_id,
-                    priority=params.priority,
-                ):
-                    c = res.outputs[0]
-                    if req.paused and c.finish_reason == "abort" and not req.cancelled:
-                        break  # paused by the gate, not ended: the consumer sees nothing
-                    req.output_ids += c.token_ids
-                    self._started(req)
-                    out.put(
-                        Delta(
-                            text=c.text,
-                            token_ids=len(c.token_ids),
-                            finish_reason=c.finish_reason,
-                            prompt_tokens=len(prompt_ids),
-                            admitted_at=req.admitted_at,
-                        )
+        await self._admitted(req, out, len(prompt_ids), lambda: self._generate(req, engine_input, prompt_ids, out))
+
+    async def _generate(self, req: Request, engine_input, prompt_ids: list[int], out: queue.Queue) -> bool:
+        """One admission: True once the request ended, False when the gate paused it."""
+        if req.output_ids:  # resuming after a pause
+            engine_input = TokensPrompt(prompt_token_ids=prompt_ids + req.output_ids)
+        try:
+            async for res in self._llm.generate(
+                engine_input,
+                self._sampling_params(req.params, len(req.output_ids)),
+                req.engine_id,
+                priority=req.params.priority,
+            ):
+                c = res.outputs[0]
+                if req.paused and c.finish_reason == "abort" and not req.cancelled:
+                    return False  # paused by the gate, not ended: the consumer sees nothing
+                req.output_ids += c.token_ids
+                self._started(req)
+                out.put(
+                    Delta(
+                        text=c.text,
+                        token_ids=len(c.token_ids),
+                        finish_reason=c.finish_reason,
+                        prompt_tokens=len(prompt_ids),
+                        admitted_at=req.admitted_at,
                     )
-                    if c.finish_reason is not None:
-                        return
-            except asyncio.CancelledError:
-                # generate() aborts only requests it finished adding; a cancel that
-                # lands mid-add would leave the request running in the engine core.
-                await self._llm.abort(req.engine_id)
-                raise
-            req.paused = False
-            req.attempt += 1
+                )
+                if c.finish_reason is not None:
+                    return True
+        except asyncio.CancelledError:
+            # generate() aborts only requests it finished adding; a cancel that
+            # lands mid-add would leave the request running in the engine core.
+            await self._llm.abort(req.engine_id)
+            raise
+        return False
 
     def _sampling_params(self, p: GenParams, done: int = 0) -> SamplingParams:
         kw = dict(self._sampling_defaults)

@@ -20,7 +20,8 @@ none is admitted or resumed, so its time to first token is the batch's decode st
 prompt, not a refill of the batch.
 
 A host (``worker.engine.EngineHost`` for vLLM, ``worker.sim.SimEngine``) implements ``_pump`` (one
-request, from admission to its final Delta) and ``_engine_abort`` (stop an admitted request).
+request: its prompt, then ``_admitted`` with what runs it once admitted) and ``_engine_abort`` (stop an
+admitted request).
 """
 
 from __future__ import annotations
@@ -169,6 +170,25 @@ class GatedHost:
         return request_id in self._failed_prefilling
 
     # -- the gate (loop thread) ---------------------------------------------------------------------
+    async def _admitted(self, req: Request, out: queue.Queue, prompt_tokens: int, run) -> None:
+        """The admission loop of one request, every host's: ``run()`` once per admission, until it returns
+        True (the request ended; its final Delta is out). False: the gate paused it (aborted in the engine,
+        its tokens kept), and it is resubmitted as prompt + output so far once admitted again, unseen by
+        its consumer."""
+        self._requests[req.request_id] = req
+        while True:
+            await self._admit(req)
+            if req.cancelled:
+                out.put(Delta(text="", token_ids=0, finish_reason="abort", prompt_tokens=prompt_tokens))
+                return
+            if req.paused:  # paused again before it started
+                req.paused = False
+                continue
+            if await run():
+                return
+            req.paused = False
+            req.attempt += 1
+
     async def _admit(self, req: Request) -> None:
         """Return once ``req`` holds an engine slot (or is cancelled), pausing a less urgent
         request if the batch is full."""

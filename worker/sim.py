@@ -112,31 +112,25 @@ class SimEngine(GatedHost):
             limit = min(limit, lo + zlib.crc32(text.encode()) % (hi - lo + 1))
         stream = _Stream(req, out, prompt_tokens, self._continue_at(text), doc, limit)
         stream.crash = CRASH_MARK in text
-        self._requests[req.request_id] = req
-        while True:
-            await self._admit(req)
-            if req.cancelled:
-                out.put(Delta(text="", token_ids=0, finish_reason="abort", prompt_tokens=prompt_tokens))
-                return
-            if req.paused:  # paused again before it started
-                req.paused = False
-                continue
-            stream.done = self._loop.create_future()
-            stream.base = len(req.output_ids)
-            stream.t0 = time.monotonic() + self.ttft
-            self._streams[req.engine_id] = stream
-            self._wake.set()
-            try:
-                finish = await stream.done
-            finally:
-                self._streams.pop(req.engine_id, None)
-            if finish == "abort" and req.paused and not req.cancelled:
-                req.paused = False  # paused by the gate: resubmitted, the consumer sees nothing
-                req.attempt += 1
-                continue
-            if finish == "abort":
-                out.put(Delta(text="", token_ids=0, finish_reason="abort", prompt_tokens=prompt_tokens))
-            return
+        await self._admitted(req, out, prompt_tokens, lambda: self._run_admitted(stream))
+
+    async def _run_admitted(self, stream: _Stream) -> bool:
+        """One admission: the ticker streams it until it ends (True) or the gate pauses it (False)."""
+        req = stream.req
+        stream.done = self._loop.create_future()
+        stream.base = len(req.output_ids)
+        stream.t0 = time.monotonic() + self.ttft
+        self._streams[req.engine_id] = stream
+        self._wake.set()
+        try:
+            finish = await stream.done
+        finally:
+            self._streams.pop(req.engine_id, None)
+        if finish == "abort" and req.paused and not req.cancelled:
+            return False  # paused by the gate, not ended: the consumer sees nothing
+        if finish == "abort":
+            stream.out.put(Delta(text="", token_ids=0, finish_reason="abort", prompt_tokens=stream.prompt_tokens))
+        return True
 
     def _continue_at(self, prompt: str) -> int:
         """Where the chain goes on: after the prompt's last word when that is one of the chain's
