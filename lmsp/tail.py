@@ -76,37 +76,8 @@ def tail_task(http: lc.Client, task_id: str, as_json: bool) -> int:
         from rich.live import Live
         live = Live(view, console=console, refresh_per_second=4, transient=True)
         live.start()
-
-    def out(text: str) -> None:  # text above the status line (or plain, when not a terminal)
-        if live is not None:
-            live.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
-        else:
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-
-    def dropped(why: str, delay: float) -> None:
-        view.note = f"reconnecting in {delay:.0f}s: {why}"
-
-    final = None
     try:
-        for event in http.follow(task_id, on_disconnect=dropped):
-            view.note = ""
-            if event.name == lc.TEXT_DELTA:
-                for line in view.add(event.data["delta"]):
-                    out(line)
-                if live is None and view.partial:
-                    sys.stdout.write(view.partial)
-                    sys.stdout.flush()
-                    view.partial = ""
-            elif event.name == lc.ATTEMPT_STARTED:
-                if view.partial:
-                    out(view.partial)
-                view.restart()
-                out(f"↻ attempt {event.data.get('attempt', '?')} started: the text above is discarded")
-            elif event.name == "response.output_item.added" and view.state in ("queued", "loading"):
-                view.state = "running"
-            elif event.final:
-                final = event
+        final = _follow(http, task_id, view, live)
     except KeyboardInterrupt:
         if live is not None:
             live.stop()
@@ -129,7 +100,46 @@ def tail_task(http: lc.Client, task_id: str, as_json: bool) -> int:
         click.echo(view.partial)
     elif live is None and view.chars:
         click.echo()
-    task = http.get_task(task_id)
+    return _conclude(http.get_task(task_id), view, final, replay, console)
+
+
+def _follow(http: lc.Client, task_id: str, view: TailView, live):
+    """The task's events into ``view`` (text above the status line, or plain when not a terminal) until it
+    ends; its final event, if one came."""
+    def out(text: str) -> None:
+        if live is not None:
+            live.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        else:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
+    def dropped(why: str, delay: float) -> None:
+        view.note = f"reconnecting in {delay:.0f}s: {why}"
+
+    final = None
+    for event in http.follow(task_id, on_disconnect=dropped):
+        view.note = ""
+        if event.name == lc.TEXT_DELTA:
+            for line in view.add(event.data["delta"]):
+                out(line)
+            if live is None and view.partial:
+                sys.stdout.write(view.partial)
+                sys.stdout.flush()
+                view.partial = ""
+        elif event.name == lc.ATTEMPT_STARTED:
+            if view.partial:
+                out(view.partial)
+            view.restart()
+            out(f"↻ attempt {event.data.get('attempt', '?')} started: the text above is discarded")
+        elif event.name == "response.output_item.added" and view.state in ("queued", "loading"):
+            view.state = "running"
+        elif event.final:
+            final = event
+    return final
+
+
+def _conclude(task: dict, view: TailView, final, replay: bool, console) -> int:
+    """The last status line, from the task as it ended; the exit code."""
     view.state = task["status"] if task["status"] in lc.TERMINAL_STATES else FINAL_STATE[final.name]
     view.tokens = ((final.data.get("usage") or {}).get("output_tokens")) if final else None
     view.ended = time.time()
