@@ -4,6 +4,7 @@ direct streams. Each records what it saw in the shared history the checker reads
 
 import json
 import random
+import re
 import threading
 import time
 import uuid
@@ -191,7 +192,7 @@ class Load:
                 time.sleep(1)
                 return False
             resp.encoding = "utf-8"  # SSE is UTF-8; requests would guess ISO-8859-1 for a text/* type
-            for n, (seq, name, data) in enumerate(iter_sse(resp.iter_lines(decode_unicode=True)), 1):
+            for n, (seq, name, data) in enumerate(iter_sse(sse_lines(resp)), 1):
                 if name == "error":  # the server cannot go on (6.3): resume from the last id
                     self.h.count("follower: error event")
                     return False
@@ -247,7 +248,7 @@ class Load:
                     return
                 rec["outcome"] = "eof"
                 resp.encoding = "utf-8"
-                for seq, name, data in iter_sse(_until(resp.iter_lines(decode_unicode=True), deadline)):
+                for seq, name, data in iter_sse(_until(sse_lines(resp), deadline)):
                     rec["events"].append([seq, name, data])
                     if name in FINALS or name == "error":
                         rec["outcome"] = "final" if name in FINALS else "error"
@@ -269,6 +270,22 @@ class Load:
                                        "outcome": "hung", "detail": "a synchronous response unanswered for 300 s"})
         except requests.RequestException:
             self.h.count("direct sync: no answer")
+
+
+def sse_lines(resp):
+    """The lines of an SSE stream, ended by CRLF, LF or CR only (the spec's): requests' iter_lines splits
+    on every line boundary str.splitlines knows, U+2028 among them, which generated text may hold (seen
+    in a delta: the data line cut in two, its JSON unterminated). A CR at a chunk's end waits for the next
+    chunk, which may begin with its LF."""
+    pending = ""
+    for chunk in resp.iter_content(chunk_size=None, decode_unicode=True):
+        pending += chunk
+        cut = len(pending) - 1 if pending.endswith("\r") else len(pending)
+        *lines, rest = re.split(r"\r\n|\r|\n", pending[:cut])
+        pending = rest + pending[cut:]
+        yield from lines
+    if pending:
+        yield pending
 
 
 class Hung(Exception):
