@@ -558,7 +558,7 @@ def main() -> int:
         load.give_up.set()
         cluster.slow.give_up.set()
         load.join(30)
-        wider.join_extra(cluster.extra, 30)
+        wider.join_extra(cluster.extra, wider.BROKEN_WAIT)  # followers end on give_up, watchers by their wait
         log("collecting the history")
         history = {"seed": SEED, "seconds": SECONDS, "lease_seconds": LEASE, "sweep_seconds": SWEEP,
                    "faults": done_faults, "tasks": cluster.collect(load), "followers": h.followers,

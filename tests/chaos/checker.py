@@ -18,8 +18,8 @@ A history is a dict of plain JSON values:
   end on SIGTERM
 * ``partitions``: {now, promised (seconds ahead), parts: [{name, low, high (id times; None: MIN/MAXVALUE),
   pending}], detached: [table names]} the event log's partitions at the end of the run
-* ``broken_model``: [{t, tasks, ended: {task id: status}, model_status}] each model_broken fault's tasks and
-  what GET /models said of the model once they ended (tests/chaos/wider.py)
+* ``broken_model``: [{t, waited, tasks, ended: {task id: status}, model_status}] each model_broken fault's
+  tasks, which of them ended within the wait, and what GET /models said of the model then (wider.py)
 * ``residency``: [{process, events: [[kind, model, why]]}] per process of worker c: "unload" (why: the model
   it made room for), "failed" and "loaded" loads
 * ``fairshare``: {log: the ledger's rows (clock changes, task charges and settles, with their transaction),
@@ -342,7 +342,7 @@ def check_broken_model(checks: list) -> list[Violation]:
     for c in checks:
         subject = f"model_broken at {c['t']}s"
         if len(c["ended"]) < len(c["tasks"]):
-            out.append(Violation("broken-model", subject, "its tasks did not all end within the wait",
+            out.append(Violation("broken-model", subject, f"its tasks did not all end within {c.get('waited')} s",
                                  tasks=c["tasks"], ended=c["ended"]))
         elif c["model_status"] != "unavailable":
             out.append(Violation("broken-model", subject, f"GET /models says {c['model_status']!r} once its "

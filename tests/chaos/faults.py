@@ -18,7 +18,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[float, float] | None]] = {
     "grammar_kill": (("api",), (0, 0)),          # kill -9 of the api's grammar helpers and their spawner
     # tests/chaos/wider.py: worker c's simulated model and its model that cannot load; the throttled link
     "poison_request": (("c",), (0, 0)),          # a task that kills the engine in decode, with 3 innocent ones
-    "model_broken": (("c",), (60, 90)),          # 3 tasks of the model that cannot load; held: waits for their end
+    "model_broken": (("c",), (10, 30)),          # 3 tasks of the model that cannot load
     "slow_followers": (("api",), (5, 15)),       # 3 tasks followed through the throttled link only
     # Only on a pair (tests/chaos/pair.py), which leaves disk_full out.
     "postgres_failover": (("primary",), (0, 0)),  # the primary crashes, the synchronous standby is promoted
