@@ -368,9 +368,8 @@ class Cluster(wider.Wider):
     def residency(self) -> list[dict]:
         """What each process of worker c loaded, unloaded and failed to load (wider.residency_events)."""
         path = self.worker_log("c")
-        text = path.read_bytes().decode(errors="replace") if path.exists() else ""
-        bounds = [*self.starts["c"], len(text.encode())]
-        data = text.encode()
+        data = path.read_bytes() if path.exists() else b""
+        bounds = [*self.starts["c"], len(data)]
         return [{"process": n, "events": wider.residency_events(data[a:b].decode(errors="replace"))}
                 for n, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
 
