@@ -21,9 +21,9 @@ from api.operations import BODY_ERRORS, PREPARE_ERRORS
 from api.problems import problem_response
 from api.services import idempotency
 from api.services.validation import Prepared, prepare
-from api.services.work import DirectWatch, abort_direct, create_direct, response_json
+from api.services.work import DirectWatch, drop_direct, response_of, submit_direct
 from common import events
-from common.errors import TRANSIENT
+from common.errors import TRANSIENT, Problem
 from common.events import Event
 
 # The problems of every direct request, in its endpoint's operation (api/operations.py) with its own.
@@ -60,7 +60,7 @@ def begin(body, asked=None) -> Direct | Done:
     who = principal()
     key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path,
                                body if asked is None else asked)
-    session = request_session()  # the one authentication opened; create_direct commits and closes it
+    session = request_session()  # the one authentication opened; submit_direct commits and closes it
     prepared = prepare(session, svc, who, body)
     hold_stream()  # the request holds this thread while the model generates
     if key is not None:
@@ -90,7 +90,7 @@ def launch(svc, who: str, prepared: Prepared, key: idempotency.Key | None = None
         return live
 
     try:
-        response_id = create_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed,
+        response_id = submit_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed,
                                     session=session)
     except BaseException:
         if subscription is not None:
@@ -110,17 +110,17 @@ def outcome(svc, response_id: str, final_name: str, final_data: str) -> tuple[in
     """(status, body) of a finished direct response: its object, or the problem it failed with."""
     if final_name == events.FAILED:
         # The problem the response failed with, answered for this request (9.3: its instance is the path).
-        doc = {**json.loads(final_data)["error"], "instance": request.path}
-        return doc.get("status", 500), json.dumps(doc)
-    with svc.sessions() as session:
-        return 200, json.dumps(response_json(session, response_id))
+        doc = Problem.model_validate({**json.loads(final_data)["error"], "instance": request.path})
+        return doc.status, json.dumps(doc.wire())
+    obj = response_of(svc, response_id)
+    return 200, json.dumps(None if obj is None else obj.wire())
 
 
 def answer(status: int, body: str) -> Response:
     """A synchronous outcome (6.2): the endpoint's object, or the problem of a failed generation."""
     if status < 400:
         return Response(body, status=status, mimetype="application/json")
-    return problem_response({**json.loads(body), "status": status}, body=body)
+    return problem_response(Problem.model_validate({**json.loads(body), "status": status}), body=body)
 
 
 def replay(done: Done, frames: Callable[[Event], str] = lambda event: events.sse(*event), end: str = "") -> Response:
@@ -134,9 +134,8 @@ def replay(done: Done, frames: Callable[[Event], str] = lambda event: events.sse
 
 def kept_response(svc, response_id: str) -> str | None:
     """What a replay of a stream's Idempotency-Key sends again: its response object, failed ones too."""
-    with svc.sessions() as session:
-        obj = response_json(session, response_id)
-    return None if obj is None else json.dumps(obj)
+    obj = response_of(svc, response_id)
+    return None if obj is None else json.dumps(obj.wire())
 
 
 def keep(svc, key, status: int, body: str, code: str | None) -> None:
@@ -194,7 +193,7 @@ def wait(run: Direct, finish: Callable[[int, str], tuple[int, str]] = lambda sta
     finally:
         run.events.close()
         if not finished:  # the client went away, or the server failed
-            abort_direct(svc, run.response_id)
+            drop_direct(svc, run.response_id)
             if run.key is not None:
                 svc.claims.abandon(run.key)
     raise AssertionError("follow() ends only after a final event")
@@ -230,7 +229,7 @@ def stream(run: Direct, frames: Callable[[Event], str] = lambda event: events.ss
     finally:
         run.events.close()
         if not finished:
-            abort_direct(svc, run.response_id)
+            drop_direct(svc, run.response_id)
             if run.key is not None:
                 svc.claims.abandon(run.key)
 

@@ -11,7 +11,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.routing import WebsocketMismatch
 
-from common.errors import CODES, LMSPError, problem
+from common.errors import CODES, LMSPError, Problem
 from common.wire import VERSION
 
 log = logging.getLogger("lmsp.api")
@@ -20,13 +20,13 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_la
                415: "unsupported_media_type", 400: "invalid_request", 500: "server_error"}
 
 
-def problem_response(doc: dict, headers: dict | None = None, body: str | None = None) -> Response:
+def problem_response(doc: Problem, headers: dict | None = None, body: str | None = None) -> Response:
     """``body``: ``doc`` as already serialized (a stored outcome, replayed byte for byte)."""
-    resp = Response(json.dumps(doc) if body is None else body, status=doc["status"],
+    resp = Response(json.dumps(doc.wire()) if body is None else body, status=doc.status,
                     mimetype="application/problem+json")
     for key, value in (headers or {}).items():
         resp.headers[key] = value
-    code = CODES.get(doc.get("code"))
+    code = CODES.get(doc.code)
     if code is not None and code.retry_after is not None and "Retry-After" not in resp.headers:
         resp.headers["Retry-After"] = str(code.retry_after)  # also for a problem stored in a response
     return resp
@@ -38,16 +38,15 @@ def error_response(exc: LMSPError) -> Response:
         headers["Retry-After"] = str(exc.retry_after)
     if exc.code == "unauthorized":
         headers["WWW-Authenticate"] = "Bearer"  # as 10 writes it (RFC 7235 allows a bare scheme)
-    return problem_response(exc.to_problem(instance=request.path), headers)
+    return problem_response(exc.as_problem(instance=request.path), headers)
 
 
-def status_problem(status: int, name: str, detail: str, instance: str | None = None) -> dict:
+def status_problem(status: int, name: str, detail: str, instance: str | None = None) -> Problem:
     """A problem document for an HTTP status: its LMSP code where it has one, else RFC 9457's about:blank."""
     if status in _HTTP_CODES:
-        return problem(_HTTP_CODES[status], detail, instance=instance)
-    doc = {"type": "about:blank", "title": name, "status": status, "code": name.lower().replace(" ", "_"),
-           "detail": detail}
-    return doc if instance is None else {**doc, "instance": instance}
+        return Problem.of(_HTTP_CODES[status], detail, instance=instance)
+    return Problem(type="about:blank", title=name, status=status, code=name.lower().replace(" ", "_"),
+                   detail=detail, instance=instance)
 
 
 def _unnamed(status: int, name: str, detail: str) -> Response:
@@ -114,7 +113,7 @@ def _answer_problems(app: Flask) -> None:
                 "HTTP_UPGRADE", "").lower() == "websocket" else "This route takes only a WebSocket upgrade "
                 "(Connection: Upgrade, Upgrade: websocket); GET .../events streams the same events over SSE")
         headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
-        return problem_response(problem(code, detail, instance=request.path), headers)
+        return problem_response(Problem.of(code, detail, instance=request.path), headers)
 
     @app.errorhandler(DBAPIError)
     @app.errorhandler(PoolTimeout)
@@ -131,5 +130,5 @@ def _answer_problems(app: Flask) -> None:
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return problem_response(problem("server_error", "The server failed; the error is logged",
-                                        instance=request.path))
+        return problem_response(Problem.of("server_error", "The server failed; the error is logged",
+                                           instance=request.path))

@@ -1,6 +1,15 @@
-"""Every error code of spec 9.3, and the problem document built from it."""
+"""Every error code of spec 9.3, and the problem document built from it.
+
+``Problem`` is the one definition of a problem document: every producer builds one (the api's
+answers, a failed response's or task's error, an error event) and sends its serialization, and the
+OpenAPI document's schema is generated from it (common/wire.py uses it in the shapes that carry one).
+"""
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 
 @dataclass(frozen=True)
@@ -43,15 +52,46 @@ CODES: dict[str, Code] = {
 TRANSIENT = frozenset({"rate_limited", "overloaded", "model_unavailable", "server_restarted"})
 
 
+# A member without a value is left out, never sent (or documented) as null.
+_Member = Annotated[str | SkipJsonSchema[None], Field(exclude_if=lambda value: value is None)]
+
+
+def _no_null_defaults(schema: dict) -> None:
+    for prop in schema["properties"].values():
+        prop.pop("default", None)
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document (spec 9.3). Other members may appear."""
+    model_config = ConfigDict(extra="allow", json_schema_extra=_no_null_defaults)
+
+    type: str = Field(description="`/lmsp/v1/errors#<code>`; `about:blank` for an HTTP error without an "
+                                  "LMSP code", examples=["/lmsp/v1/errors#task_not_found"],
+                      json_schema_extra={"format": "uri-reference"})
+    title: str = Field(examples=["Task not found"])
+    status: int = Field(ge=100, le=599)
+    code: str = Field(description="Machine-readable error code (common/errors.py)", examples=["task_not_found"])
+    detail: str
+    instance: _Member = Field(None, description="The request path; absent in problems stored inside failed "
+                                                "responses and tasks")
+    param: _Member = Field(None, description="The offending field or parameter")
+    scope: _Member = Field(None, description="The missing scope (insufficient_scope)")
+    capability: _Member = Field(None, description="The capability the model lacks (unsupported_capability)")
+
+    @classmethod
+    def of(cls, code: str, detail: str, *, instance: str | None = None, **extra) -> "Problem":
+        """The problem of one of ``CODES``; ``extra`` members that are None are left out."""
+        spec = CODES[code]
+        return cls(type=f"/lmsp/v1/errors#{code}", title=spec.title, status=spec.status, code=code,
+                   detail=detail, instance=instance, **{k: v for k, v in extra.items() if v is not None})
+
+    def wire(self) -> dict:
+        return self.model_dump(mode="json")
+
+
 def problem(code: str, detail: str, *, instance: str | None = None, **extra) -> dict:
-    """An RFC 9457 problem document (spec 9.3)."""
-    spec = CODES[code]
-    doc = {"type": f"/lmsp/v1/errors#{code}", "title": spec.title, "status": spec.status,
-           "code": code, "detail": detail}
-    if instance:
-        doc["instance"] = instance
-    doc.update({k: v for k, v in extra.items() if v is not None})
-    return doc
+    """``Problem.of`` as JSON data: what a failed response or task stores and an error event carries."""
+    return Problem.of(code, detail, instance=instance, **extra).wire()
 
 
 class LMSPError(Exception):
@@ -71,5 +111,10 @@ class LMSPError(Exception):
     def status(self) -> int:
         return CODES[self.code].status
 
+    def as_problem(self, instance: str | None = None) -> Problem:
+        """The problem document this error is answered with."""
+        return Problem.of(self.code, self.detail, instance=instance, param=self.param, **self.extra)
+
     def to_problem(self, instance: str | None = None) -> dict:
-        return problem(self.code, self.detail, instance=instance, param=self.param, **self.extra)
+        """``as_problem`` as JSON data, for an error event."""
+        return self.as_problem(instance).wire()

@@ -19,13 +19,14 @@ their process), it lives for the service's retention and survives a worker's cra
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.extensions import Services
+from api.extensions import Services, request_session
 from api.services import idempotency
-from api.services.validation import Prepared
-from api.services.work import new_task_once
-from common import lifecycle
+from api.services.streams import open_stream
+from api.services.validation import Prepared, prepare
+from api.services.work import queue_task_once, send_task
+from common import lifecycle, wire
 from common.errors import LMSPError
-from common.resources import is_background, response_object
+from common.resources import is_background, response_model
 from common.states import QUEUED, TERMINAL
 from common.tables import Response, Task
 from common.wire import OnRestart
@@ -47,20 +48,41 @@ def on_restart(prepared: Prepared) -> str:
     return asked
 
 
-def create(svc: Services, session: Session, principal: str, prepared: Prepared,
-           key: idempotency.Key | None) -> tuple[Task, bool]:
+def submit(svc: Services, principal: str, body: dict,
+           key: idempotency.Key | None) -> tuple[wire.ResponseObject, tuple[str, str] | None]:
+    """``POST /responses`` with ``background: true``: the response (``queued``), its task committed and
+    sent, or for a repeated Idempotency-Key the response it made, as it is now (9.2); and when ``stream``
+    is true, the stream to follow from the start (``open_stream``'s task and response ids)."""
+    with request_session() as session:  # the one authentication opened
+        record = idempotency.existing(session, key) if key is not None else None
+        made = record is None
+        if record is not None:
+            task = lifecycle.require_task(session, principal, idempotency.check_replay(record, key).task_id)
+            stream = body.get("stream") is True
+        else:
+            prepared = prepare(session, svc, principal, body)
+            stream = prepared.request.stream
+            task, made = _create(svc, session, principal, prepared, key)
+            stream = stream or (not made and body.get("stream") is True)
+        shown = view(session, session.get(Response, task.response_id))
+    if made:
+        send_task(svc, task)
+    return shown, open_stream(svc, principal, task.id) if stream else None
+
+
+def _create(svc: Services, session: Session, principal: str, prepared: Prepared,
+            key: idempotency.Key | None) -> tuple[Task, bool]:
     """The background response's task, committed within the queue limits, or the one a concurrent
-    request with the same Idempotency-Key made (``work.new_task_once``); the caller sends it if made."""
+    request with the same Idempotency-Key made (``work.queue_task_once``); the caller sends it if made."""
+    if prepared.request.stream and not prepared.spec.public_capabilities()["event_resume"]:
+        raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot stream a background "
+                        "response (capability event_resume); poll it instead", param="stream",
+                        capability="event_resume")
     if not prepared.spec.public_capabilities()["conversations"]:
         raise LMSPError("unsupported_capability", f"Model {prepared.spec.id} cannot keep responses (capability "
                         "conversations), and a background response is one that is kept", param="background",
                         capability="conversations")
-    return new_task_once(svc, session, principal, prepared, on_restart(prepared), key)
-
-
-def replayed(session: Session, principal: str, record) -> Task:
-    """The task a finished Idempotency-Key record made."""
-    return lifecycle.require_task(session, principal, record.task_id)
+    return queue_task_once(svc, session, principal, prepared, on_restart(prepared), key)
 
 
 def task_of(session: Session, response_id: str) -> Task | None:
@@ -68,12 +90,12 @@ def task_of(session: Session, response_id: str) -> Task | None:
                            .execution_options(populate_existing=True)).scalar_one_or_none()
 
 
-def view(session: Session, row: Response) -> dict:
+def view(session: Session, row: Response) -> wire.ResponseObject:
     """The response object as GET answers it: a background response is ``queued`` while its task is."""
     if not is_background(row):
-        return response_object(row)
+        return response_model(row)
     task = task_of(session, row.id)
-    return response_object(row, queued=task is not None and task.status == QUEUED)
+    return response_model(row, queued=task is not None and task.status == QUEUED)
 
 
 def cancel(svc: Services, session: Session, row: Response) -> None:
@@ -91,3 +113,4 @@ def cancel(svc: Services, session: Session, row: Response) -> None:
     svc.publisher.publish_many(publish)
     if notify:
         svc.publisher.abort(task.response_id)
+

@@ -22,7 +22,7 @@ from simple_websocket import ConnectionClosed
 from api import direct
 from api.body import json_object
 from api.services.validation import prepare
-from api.services.work import abort_direct, warm_direct
+from api.services.work import drop_direct, warm_direct
 from common import events
 from common.errors import LMSPError, problem
 from common.tables import Response
@@ -169,7 +169,7 @@ class Connection:
             threads = list(self.threads)
         for response_id in running:  # at once; each lane's stream would abort it within a heartbeat too
             try:
-                abort_direct(self.svc, response_id)
+                drop_direct(self.svc, response_id)
             except Exception:  # noqa: BLE001 - the database is away: the lane's own abort tries again
                 log.warning("WebSocket closed: abort of %s failed", response_id, exc_info=True)
         for thread in threads:
@@ -202,7 +202,7 @@ class Connection:
         with svc.sessions() as session:
             prepared = prepare(session, svc, self.principal, create.body, remembered)
         if not create.generate:
-            obj = warm_direct(svc, self.principal, prepared)
+            obj = warm_direct(svc, self.principal, prepared).wire()
             request = prepared.request.model_dump(mode="json", by_alias=True, exclude_none=True)
             self._remember(Remembered(obj["id"], obj["status"], request, []))
             for event in events.of_response(obj):

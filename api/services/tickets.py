@@ -35,12 +35,12 @@ def _signature(token_hash: str, token_id: str, task_id: str, expires: int) -> st
     return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
 
-def mint(session, identity: Identity, task_id: str) -> dict:
+def mint(session, identity: Identity, task_id: str) -> wire.StreamTicket:
     row = session.get(ApiToken, identity.token_id)
     expires = int(time.time()) + TICKET_SECONDS
     ticket = f"{VERSION}.{row.id}.{expires}.{_signature(row.token_hash, row.id, task_id, expires)}"
     return wire.StreamTicket(ticket=ticket, expires_at=expires,
-                             events_url=f"{wire.API}/tasks/{task_id}/events?ticket={ticket}").wire()
+                             events_url=f"{wire.API}/tasks/{task_id}/events?ticket={ticket}")
 
 
 def _redeem(session, ticket: str, task_id: str) -> Identity | None:

@@ -5,22 +5,20 @@ Celery messages are sent only after the transaction commits. Statuses and
 events are written by ``common.lifecycle`` only.
 """
 
-import hashlib
 import logging
 import time
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
 from api.services import idempotency
 from api.services.validation import Prepared
-from common import events, interactive_wire, lifecycle, liveness, timeline, wire
+from common import events, interactive_wire, lifecycle, liveness, wire
 from common.broker import BACKGROUND, dispatch
 from common.errors import LMSPError, problem
-from common.resources import response_object, task_object
-from common.states import FAILED, QUEUED, SUCCEEDED, R
+from common.resources import response_model, response_object
+from common.states import R
 from common.tables import Response, Task
 
 log = logging.getLogger("lmsp.api")
@@ -55,7 +53,7 @@ def _stored(prepared: Prepared) -> bool:
     return prepared.request.store and prepared.spec.public_capabilities()["conversations"]
 
 
-def create_direct(svc: Services, principal: str, prepared: Prepared, before_commit=None,
+def submit_direct(svc: Services, principal: str, prepared: Prepared, before_commit=None,
                   before_dispatch=None, session: Session | None = None) -> str:
     """``before_commit(response_id)`` and ``before_dispatch(response_id)`` run around the commit: the
     caller subscribes to the response's events there, so it misses none of them; ``before_dispatch``
@@ -73,14 +71,14 @@ def create_direct(svc: Services, principal: str, prepared: Prepared, before_comm
     return row.id
 
 
-def warm_direct(svc: Services, principal: str, prepared: Prepared) -> dict:
+def warm_direct(svc: Services, principal: str, prepared: Prepared) -> wire.ResponseObject:
     """WebSocket mode's ``generate: false``: a completed response without output whose id a later turn
-    continues; stored by the same rule as any response. Its object."""
+    continues; stored by the same rule as any response."""
     row = _response_row(prepared, principal, R.COMPLETED, _stored(prepared))
     with svc.sessions() as session:
         lifecycle.create_warmed(session, row)
         session.commit()
-        return response_object(row)
+        return response_model(row)
 
 
 def send_direct(svc: Services, queue: str, response_id: str, prompt_ids: list[int] | None = None,
@@ -94,7 +92,7 @@ def send_direct(svc: Services, queue: str, response_id: str, prompt_ids: list[in
                     response_id, type(exc).__name__, exc)
 
 
-def abort_direct(svc: Services, response_id: str) -> None:
+def drop_direct(svc: Services, response_id: str) -> None:
     """The client went away: stop generating for it."""
     with svc.sessions() as session:
         lifecycle.abort_direct(session, response_id)
@@ -161,8 +159,8 @@ class DirectWatch:
         return False
 
 
-def new_task(svc: Services, session: Session, principal: str, prepared: Prepared, on_restart: str,
-             key: idempotency.Key | None) -> Task:
+def queue_task(svc: Services, session: Session, principal: str, prepared: Prepared, on_restart: str,
+               key: idempotency.Key | None) -> Task:
     """Task, response and event #1, committed (7.1: persist before answering) within the queue
     limits: 429 past the principal's, 503 past the model's."""
     if on_restart == "resume" and not prepared.spec.public_capabilities()["resume_snapshots"]:
@@ -196,83 +194,22 @@ def send_task(svc: Services, task: Task) -> None:
                       BACKGROUND)
 
 
-def new_task_once(svc: Services, session: Session, principal: str, prepared: Prepared, on_restart: str,
-                  key: idempotency.Key | None) -> tuple[Task, bool]:
-    """``new_task``, or the task a concurrent request with the same Idempotency-Key committed first
+def queue_task_once(svc: Services, session: Session, principal: str, prepared: Prepared, on_restart: str,
+                    key: idempotency.Key | None) -> tuple[Task, bool]:
+    """``queue_task``, or the task a concurrent request with the same Idempotency-Key committed first
     (9.2); the flag says whether this request made it, and so must send it (``send_task``)."""
     try:
-        return new_task(svc, session, principal, prepared, on_restart, key), True
+        return queue_task(svc, session, principal, prepared, on_restart, key), True
     except IntegrityError:
         session.rollback()  # a concurrent request with the same key won the race
         record = idempotency.existing(session, key) if key is not None else None
         if record is None:
             raise
-        return get_task(session, principal, idempotency.check_replay(record, key).task_id), False
+        return lifecycle.require_task(session, principal, idempotency.check_replay(record, key).task_id), False
 
 
-def get_task(session: Session, principal: str, task_id: str) -> Task:
-    return lifecycle.require_task(session, principal, task_id)
-
-
-def task_view(session: Session, task: Task, registry) -> dict:
-    # A queued task has no attempt yet: a new task's 202 costs no query for its timeline.
-    attempts = [] if task.status == QUEUED else timeline.attempts_of(session, [task.id]).get(task.id, [])
-    return task_doc(task, session.get(Response, task.response_id) if task.status == SUCCEEDED else None, registry,
-                    attempts).wire()
-
-
-def list_tasks_rows(session: Session, principal: str, states, limit: int, cursor: str | None) -> list[Task]:
-    """A page of the principal's tasks, newest first, and one more if there is one; ``cursor`` (the
-    last page's ``next_cursor``) pages on."""
-    query = select(Task).where(Task.principal_id == principal)
-    if states:
-        query = query.where(Task.status.in_(states))
-    if cursor is not None:
-        query = query.where(Task.id < cursor)  # ids are ULIDs: they sort by creation time
-    return list(session.execute(query.order_by(Task.id.desc()).limit(limit + 1)).scalars())
-
-
-def page_etag(rows: list[Task]) -> str:
-    """A weak ETag's value that changes whenever the page would: a task comes or goes, or one changes
-    state (each transition sets updated_at, a new attempt its number). Compared before the page is
-    built, so a poll of an unchanged list costs one indexed query and no body (the dashboard polls it)."""
-    key = repr([(t.id, t.status, t.updated_at, t.attempt) for t in rows])
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
-def list_tasks_page(session: Session, registry, rows: list[Task], limit: int) -> dict:
-    """The page object of ``list_tasks_rows``' rows."""
-    page = rows[:limit]
-    done = [t.response_id for t in page if t.status == SUCCEEDED]
-    responses = {r.id: r for r in session.execute(select(Response).where(Response.id.in_(done))).scalars()}
-    attempts = timeline.attempts_of(session, [t.id for t in page])
-    data = [task_doc(t, responses.get(t.response_id), registry, attempts.get(t.id, [])) for t in page]
-    more = len(rows) > limit
-    return wire.TaskList(data=data, has_more=more, next_cursor=page[-1].id if more else None).wire()
-
-
-def task_doc(task: Task, response: Response | None, registry, attempts=()) -> wire.TaskObject:
-    spec = registry.models.get(task.model)  # a model since removed keeps its events readable
-    return task_object(task, response, event_resume=spec is None or spec.public_capabilities()["event_resume"],
-                       attempts=attempts)
-
-
-def cancel_task(svc: Services, principal: str, task_id: str) -> dict:
+def response_of(svc: Services, response_id: str) -> wire.ResponseObject | None:
+    """A direct response's object as its request answers it (once it has ended)."""
     with svc.sessions() as session:
-        task = get_task(session, principal, task_id)
-        if task.status in (SUCCEEDED, FAILED):
-            raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
-        notify, publish = lifecycle.cancel(session, task, svc.settings.lease_seconds)
-        session.commit()
-        svc.publisher.publish_many(publish)
-        if notify:
-            svc.publisher.abort(task.response_id)
-        task = get_task(session, principal, task_id)
-        if task.status in (SUCCEEDED, FAILED):  # it finished while we tried
-            raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
-        return task_view(session, task, svc.registry)
-
-
-def response_json(session: Session, response_id: str) -> dict | None:
-    row = session.get(Response, response_id)
-    return None if row is None else response_object(row)
+        row = session.get(Response, response_id)
+        return None if row is None else response_model(row)

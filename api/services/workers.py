@@ -1,12 +1,21 @@
 """The workers panel's figures (GET /lmsp/v1/workers): from one read of the workers table
 (common/liveness.py); each worker's tokens per second is what it reported with its heartbeat."""
 
+from api.extensions import Services
 from common import wire
-from common.liveness import WorkerState
+from common.liveness import WorkerState, worker_states
+
+LOST_SHOWN_SECONDS = 3600  # a worker that stopped heartbeating is shown as lost for an hour, then left out
 
 
-def worker_list(states: list[WorkerState], each: bool) -> wire.WorkerList:
+def worker_list(svc: Services, each: bool) -> wire.WorkerList:
     """Per model and in total; ``each``: every worker too (scope admin: ids name hosts)."""
+    with svc.sessions() as session:
+        states = worker_states(session, svc.settings.lease_seconds, lost_for=LOST_SHOWN_SECONDS)
+    return _figures(states, each)
+
+
+def _figures(states: list[WorkerState], each: bool) -> wire.WorkerList:
     models: dict[str, dict] = {}
     for w in states:
         for model in dict.fromkeys([*w.models, *w.models_loaded]):

@@ -1,46 +1,25 @@
-import hashlib
 import json
-import time
 
-from flask import Blueprint, Response, g, request
+from flask import Blueprint, g, request
+from flask import Response as HttpResponse
 
 from api import params
 from api.auth import hold_stream, principal
 from api.body import json_body
-from api.extensions import request_session, services
+from api.extensions import services
 from api.operations import BODY_ERRORS, PREPARE_ERRORS, bare_answer, json_answer, operation
-from api.services import idempotency, tickets
-from api.services.validation import prepare
-from api.services.work import (
-    cancel_task,
-    get_task,
-    list_tasks_page,
-    list_tasks_rows,
-    new_task_once,
-    page_etag,
-    send_task,
-    task_view,
-)
+from api.services import idempotency, tasks
 from common import wire
 from common.errors import LMSPError
-from common.events import REASONING_DELTA, TEXT_DELTA
 from common.ids import is_id
 from common.protocol import TaskRequest, parse
-from common.states import LOADING, QUEUED, STATES, TERMINAL
+from common.states import STATES
 
 bp = Blueprint("tasks", __name__, url_prefix="/lmsp/v1/tasks")
-# A long poll re-reads the task when its response's channel carries anything but text (or anything
-# at all before the task runs: loading -> running publishes no event, its first text says it), and
-# on this timer: queued -> loading publishes nothing, and a notification may be lost.
-WAIT_RECHECK_SECONDS = 5.0
-WAIT_RECHECK_WITHOUT_REDIS = 0.5
-TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})
-NOT_STARTED = frozenset({QUEUED, LOADING})
 
 
-def _accepted(doc: dict) -> Response:
-    return Response(json.dumps(doc), status=202, mimetype="application/json",
-                    headers={"Location": f"/lmsp/v1/tasks/{doc['id']}"})
+def _json(shape: wire.Shape, status: int = 200, headers: dict | None = None) -> HttpResponse:
+    return HttpResponse(json.dumps(shape.wire()), status=status, mimetype="application/json", headers=headers)
 
 
 @bp.post("")
@@ -59,28 +38,12 @@ def _accepted(doc: dict) -> Response:
                        "flight (no 409).",
            params=["IdempotencyKey"], body=TaskRequest)
 def create():
-    svc = services()
     body = json_body()
     who = principal()
     envelope = parse(TaskRequest, body)
     key = idempotency.key_from(request.headers.get("Idempotency-Key"), who, "POST", request.path, body)
-    with request_session() as session:  # the one authentication opened: one checkout per request
-        if key is not None and (record := idempotency.existing(session, key)) is not None:
-            return _replay(session, who, idempotency.check_replay(record, key))
-        try:
-            prepared = prepare(session, svc, who, {**body["input"], "stream": False})
-        except LMSPError as exc:
-            exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
-            raise
-        task, made = new_task_once(svc, session, who, prepared, envelope.on_restart, key)
-        doc = task_view(session, task, svc.registry)
-    if made:
-        send_task(svc, task)
-    return _accepted(doc)
-
-
-def _replay(session, who, record) -> Response:
-    return _accepted(task_view(session, get_task(session, who, record.task_id), services().registry))
+    task = tasks.accept(services(), who, body, envelope.on_restart, key)
+    return _json(task, 202, {"Location": f"/lmsp/v1/tasks/{task.id}"})
 
 
 @bp.get("/<task_id>")
@@ -94,28 +57,12 @@ def get(task_id: str):
     """The task; ``?wait=N`` holds the answer until it differs from the If-None-Match ETag (or from
     the task as it was when the request came) or N seconds pass; 304 when the client's ETag still holds."""
     svc = services()
-    who = principal()
     wait = _wait_seconds(params.arg("wait"), svc.settings.max_task_wait_seconds)
-    doc = _read(svc, who, task_id)
-    given = request.if_none_match  # empty when the header is absent
-    first = etag(doc)
-    unchanged = given.contains_weak if given else first.__eq__
-    if wait and unchanged(first) and doc["status"] not in TERMINAL:
-        hold_stream()  # it holds its thread as a stream does: 429 + Retry-After when no slot is left
-        doc = _wait_for_change(svc, who, task_id, doc["response_id"], unchanged, wait)
-    tag = etag(doc)
-    if given.contains_weak(tag):
-        return Response(status=304, headers={"ETag": f'"{tag}"'})
-    return Response(json.dumps(doc), mimetype="application/json", headers={"ETag": f'"{tag}"'})
-
-
-def etag(doc: dict) -> str:
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def _read(svc, who: str, task_id: str) -> dict:
-    with svc.sessions() as session:
-        return task_view(session, get_task(session, who, task_id), svc.registry)
+    # A held poll holds its thread as a stream does: 429 + Retry-After when no slot is left.
+    tag, task = tasks.poll(svc, principal(), task_id, wait, request.if_none_match, on_wait=hold_stream)
+    if task is None:
+        return HttpResponse(status=304, headers={"ETag": f'"{tag}"'})
+    return _json(task, headers={"ETag": f'"{tag}"'})
 
 
 def _wait_seconds(raw: str | None, cap: int) -> float:
@@ -128,23 +75,6 @@ def _wait_seconds(raw: str | None, cap: int) -> float:
     return min(seconds, cap)
 
 
-def _wait_for_change(svc, who: str, task_id: str, response_id: str, unchanged, wait: float) -> dict:
-    deadline = time.monotonic() + wait
-    recheck = WAIT_RECHECK_SECONDS if svc.hub.connected else WAIT_RECHECK_WITHOUT_REDIS
-    with svc.hub.watch(response_id) as sub:
-        while True:
-            # Read after subscribing: a change between the first read and the subscription is seen here.
-            doc = _read(svc, who, task_id)
-            read_at = time.monotonic()
-            if not unchanged(etag(doc)) or doc["status"] in TERMINAL or read_at >= deadline:
-                return doc
-            while (now := time.monotonic()) < min(deadline, read_at + recheck):
-                batch = sub.get(timeout=min(deadline, read_at + recheck) - now)
-                if batch is not None and (doc["status"] in NOT_STARTED
-                                          or not all(name in TEXT_ONLY for _, name, _ in batch)):
-                    break  # a state event, a first token (or a reconnect, []): read the task again
-
-
 @bp.post("/<task_id>/cancel")
 @operation("cancelTask", "Cancel a task (idempotent)", tag="tasks", scope="tasks:cancel",
            answers={200: json_answer("The task in its current state: cancelled, or cancelling until the backend "
@@ -152,7 +82,7 @@ def _wait_for_change(svc, who: str, task_id: str, response_id: str, unchanged, w
            errors=[(404, "task_not_found"), (409, "task_not_cancelable", "The task already succeeded or failed")],
            params=["TaskId"])
 def cancel(task_id: str):
-    return cancel_task(services(), principal(), task_id)
+    return tasks.cancel(services(), principal(), task_id).wire()
 
 
 # -- the task list (an extension of the spec: GET /lmsp/v1/tasks) --------------------------------
@@ -194,13 +124,10 @@ def list_tasks():
     """The principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages on;
     304 while the page still matches If-None-Match."""
     states, limit, cursor = _list_query()
-    with services().sessions() as session:
-        rows = list_tasks_rows(session, principal(), states, limit, cursor)
-        tag = page_etag(rows)
-        if request.if_none_match.contains_weak(tag):
-            return Response(status=304, headers={"ETag": f'W/"{tag}"'})
-        doc = list_tasks_page(session, services().registry, rows, limit)
-    return Response(json.dumps(doc), mimetype="application/json", headers={"ETag": f'W/"{tag}"'})
+    tag, page = tasks.page(services(), principal(), states, limit, cursor, request.if_none_match)
+    if page is None:
+        return HttpResponse(status=304, headers={"ETag": f'W/"{tag}"'})
+    return _json(page, headers={"ETag": f'W/"{tag}"'})
 
 
 @bp.post("/<task_id>/events/ticket")
@@ -209,6 +136,4 @@ def list_tasks():
            errors=[(404, "task_not_found")], params=["TaskId"])
 def events_ticket(task_id: str):
     """A short-lived ticket that opens this task's event stream without a header (EventSource)."""
-    with services().sessions() as session:
-        get_task(session, principal(), task_id)
-        return tickets.mint(session, g.identity, task_id)
+    return tasks.ticket(services(), g.identity, task_id).wire()

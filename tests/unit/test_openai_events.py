@@ -9,7 +9,7 @@ from openai._types import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from api.services.stored import input_items
+from api.services.stored import input_page
 from common import events
 from common.errors import LMSPError
 from common.tables import Response
@@ -69,19 +69,19 @@ def test_input_items_pages_in_both_orders_with_stable_ids():
     items = [{"type": "message", "role": "user", "content": f"turn {i}"} for i in range(5)]
     items[2] = {"type": "function_call_output", "call_id": "c", "output": "{}", "id": "fco_given"}
     row = _row(items)
-    first = input_items(row, after=None, limit=2, order="asc")
+    first = input_page(row, after=None, limit=2, order="asc").wire()
     assert first["has_more"] and [i["id"] for i in first["data"]] == [first["first_id"], first["last_id"]]
     assert first["data"][0]["content"] == [{"type": "input_text", "text": "turn 0"}]
-    second = input_items(row, after=first["last_id"], limit=2, order="asc")
+    second = input_page(row, after=first["last_id"], limit=2, order="asc").wire()
     assert second["first_id"] == "fco_given" and second["has_more"]
-    last = input_items(row, after=second["last_id"], limit=2, order="asc")
+    last = input_page(row, after=second["last_id"], limit=2, order="asc").wire()
     assert len(last["data"]) == 1 and not last["has_more"]
-    newest = input_items(row, after=None, limit=20, order="desc")
+    newest = input_page(row, after=None, limit=20, order="desc").wire()
     assert [i["id"] for i in newest["data"]] == [i["id"] for i in reversed(
         first["data"] + second["data"] + last["data"])]
-    assert input_items(row, after=None, limit=20, order="desc") == newest  # ids made the same way each time
-    empty = input_items(row, after=newest["last_id"], limit=20, order="desc")
+    assert input_page(row, after=None, limit=20, order="desc").wire() == newest  # ids made the same way each time
+    empty = input_page(row, after=newest["last_id"], limit=20, order="desc").wire()
     assert empty == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
     with pytest.raises(LMSPError) as caught:
-        input_items(row, after="msg_nope", limit=20, order="desc")
+        input_page(row, after="msg_nope", limit=20, order="desc")
     assert caught.value.code == "invalid_request" and caught.value.param == "after"

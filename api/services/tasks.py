@@ -1,0 +1,168 @@
+"""What the task routes ask (api/views/tasks.py): create, read (a long poll, conditional), list, cancel,
+and a stream ticket. Each opens and closes its own database work and answers a shape of common/wire.py;
+a conditional read answers (its ETag, the shape or None while the client's If-None-Match still holds)."""
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from werkzeug.datastructures import ETags
+
+from api.extensions import Services, request_session
+from api.services import idempotency, tickets
+from api.services.validation import prepare
+from api.services.work import queue_task_once, send_task
+from common import lifecycle, timeline, wire
+from common.errors import LMSPError
+from common.events import REASONING_DELTA, TEXT_DELTA
+from common.resources import task_object
+from common.states import FAILED, LOADING, QUEUED, SUCCEEDED, TERMINAL
+from common.tables import Response, Task
+from common.tokens import Identity
+
+# A long poll re-reads the task when its response's channel carries anything but text (or anything
+# at all before the task runs: loading -> running publishes no event, its first text says it), and
+# on this timer: queued -> loading publishes nothing, and a notification may be lost.
+WAIT_RECHECK_SECONDS = 5.0
+WAIT_RECHECK_WITHOUT_REDIS = 0.5
+TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})
+NOT_STARTED = frozenset({QUEUED, LOADING})
+
+
+def accept(svc: Services, principal: str, body: dict, on_restart: str, key: idempotency.Key | None) -> wire.TaskObject:
+    """POST /tasks: the task made of ``body`` (committed, then sent), or the one a repeated
+    Idempotency-Key made, as it is now."""
+    with request_session() as session:  # the one authentication opened: one checkout per request
+        if key is not None and (record := idempotency.existing(session, key)) is not None:
+            task = lifecycle.require_task(session, principal, idempotency.check_replay(record, key).task_id)
+            return _shown(session, task, svc.registry)
+        try:
+            prepared = prepare(session, svc, principal, {**body["input"], "stream": False})
+        except LMSPError as exc:
+            exc.param = f"input.{exc.param}" if exc.param else exc.param  # the field is inside the envelope
+            raise
+        task, made = queue_task_once(svc, session, principal, prepared, on_restart, key)
+        shown = _shown(session, task, svc.registry)
+    if made:
+        send_task(svc, task)
+    return shown
+
+
+def poll(svc: Services, principal: str, task_id: str, wait: float, given: ETags,
+         on_wait: Callable[[], None]) -> tuple[str, wire.TaskObject | None]:
+    """The task; with ``wait`` it is held until it differs from ``given`` (or from the task as it was
+    when asked) or ``wait`` seconds pass; ``on_wait`` runs before it is held."""
+    task = read(svc, principal, task_id)
+    first = etag(task)
+    unchanged = given.contains_weak if given else first.__eq__  # given is empty when the header is absent
+    if wait and unchanged(first) and task.status not in TERMINAL:
+        on_wait()
+        task = _wait_for_change(svc, principal, task_id, task.response_id, unchanged, wait)
+    tag = etag(task)
+    return tag, None if given.contains_weak(tag) else task
+
+
+def read(svc: Services, principal: str, task_id: str) -> wire.TaskObject:
+    with svc.sessions() as session:
+        return _shown(session, lifecycle.require_task(session, principal, task_id), svc.registry)
+
+
+def etag(task: wire.TaskObject) -> str:
+    return hashlib.sha256(json.dumps(task.wire(), sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _wait_for_change(svc: Services, principal: str, task_id: str, response_id: str, unchanged,
+                     wait: float) -> wire.TaskObject:
+    deadline = time.monotonic() + wait
+    recheck = WAIT_RECHECK_SECONDS if svc.hub.connected else WAIT_RECHECK_WITHOUT_REDIS
+    with svc.hub.watch(response_id) as sub:
+        while True:
+            # Read after subscribing: a change between the first read and the subscription is seen here.
+            task = read(svc, principal, task_id)
+            read_at = time.monotonic()
+            if not unchanged(etag(task)) or task.status in TERMINAL or read_at >= deadline:
+                return task
+            while (now := time.monotonic()) < min(deadline, read_at + recheck):
+                batch = sub.get(timeout=min(deadline, read_at + recheck) - now)
+                if batch is not None and (task.status in NOT_STARTED
+                                          or not all(name in TEXT_ONLY for _, name, _ in batch)):
+                    break  # a state event, a first token (or a reconnect, []): read the task again
+
+
+def page(svc: Services, principal: str, states: list[str], limit: int, cursor: str | None,
+         given: ETags) -> tuple[str, wire.TaskList | None]:
+    """A page of the principal's tasks, newest first; ``cursor`` (the last page's ``next_cursor``) pages
+    on. Its weak ETag is compared before the page is built, so a poll of an unchanged list costs one
+    indexed query and no body (the dashboard polls it)."""
+    with svc.sessions() as session:
+        rows = _rows(session, principal, states, limit, cursor)
+        tag = _page_etag(rows)
+        if given.contains_weak(tag):
+            return tag, None
+        return tag, _page(session, svc.registry, rows, limit)
+
+
+def _rows(session: Session, principal: str, states, limit: int, cursor: str | None) -> list[Task]:
+    """A page of tasks and one more if there is one."""
+    query = select(Task).where(Task.principal_id == principal)
+    if states:
+        query = query.where(Task.status.in_(states))
+    if cursor is not None:
+        query = query.where(Task.id < cursor)  # ids are ULIDs: they sort by creation time
+    return list(session.execute(query.order_by(Task.id.desc()).limit(limit + 1)).scalars())
+
+
+def _page_etag(rows: list[Task]) -> str:
+    """Changes whenever the page would: a task comes or goes, or one changes state (each transition
+    sets updated_at, a new attempt its number)."""
+    key = repr([(t.id, t.status, t.updated_at, t.attempt) for t in rows])
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _page(session: Session, registry, rows: list[Task], limit: int) -> wire.TaskList:
+    page_rows = rows[:limit]
+    done = [t.response_id for t in page_rows if t.status == SUCCEEDED]
+    responses = {r.id: r for r in session.execute(select(Response).where(Response.id.in_(done))).scalars()}
+    attempts = timeline.attempts_of(session, [t.id for t in page_rows])
+    data = [_task(t, responses.get(t.response_id), registry, attempts.get(t.id, [])) for t in page_rows]
+    more = len(rows) > limit
+    return wire.TaskList(data=data, has_more=more, next_cursor=page_rows[-1].id if more else None)
+
+
+def cancel(svc: Services, principal: str, task_id: str) -> wire.TaskObject:
+    with svc.sessions() as session:
+        task = lifecycle.require_task(session, principal, task_id)
+        if task.status in (SUCCEEDED, FAILED):
+            raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
+        notify, publish = lifecycle.cancel(session, task, svc.settings.lease_seconds)
+        session.commit()
+        svc.publisher.publish_many(publish)
+        if notify:
+            svc.publisher.abort(task.response_id)
+        task = lifecycle.require_task(session, principal, task_id)
+        if task.status in (SUCCEEDED, FAILED):  # it finished while we tried
+            raise LMSPError("task_not_cancelable", f"Task {task_id} already {task.status}")
+        return _shown(session, task, svc.registry)
+
+
+def ticket(svc: Services, identity: Identity, task_id: str) -> wire.StreamTicket:
+    """A ticket that opens the task's event stream without a header (api/services/tickets.py)."""
+    with svc.sessions() as session:
+        lifecycle.require_task(session, identity.principal, task_id)
+        return tickets.mint(session, identity, task_id)
+
+
+def _shown(session: Session, task: Task, registry) -> wire.TaskObject:
+    # A queued task has no attempt yet: a new task's 202 costs no query for its timeline.
+    attempts = [] if task.status == QUEUED else timeline.attempts_of(session, [task.id]).get(task.id, [])
+    return _task(task, session.get(Response, task.response_id) if task.status == SUCCEEDED else None, registry,
+                 attempts)
+
+
+def _task(task: Task, response: Response | None, registry, attempts=()) -> wire.TaskObject:
+    spec = registry.models.get(task.model)  # a model since removed keeps its events readable
+    return task_object(task, response, event_resume=spec is None or spec.public_capabilities()["event_resume"],
+                       attempts=attempts)
