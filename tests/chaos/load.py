@@ -212,6 +212,9 @@ class Load:
                 if not frame:
                     return False
                 event = json.loads(frame)
+                if event["event"] == "error":  # as on SSE (6.3): the server cannot go on; resume from the last id
+                    self.h.count("follower: error event")
+                    return False
                 events.append([event["id"], event["event"], event["data"]])
                 if event["event"] in FINALS:
                     return True
