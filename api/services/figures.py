@@ -4,8 +4,8 @@ scrape so every api replica answers the same."""
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
 
+from api.extensions import Services
 from common import liveness
 from common.tables import QueueCount, Task
 
@@ -17,12 +17,13 @@ class Figures:
     workers: list[liveness.WorkerState]
 
 
-def service_figures(session: Session, models, lease_seconds: float) -> Figures:
-    """``models``: the served model ids, each with a queue depth even when nothing counted it yet."""
-    tasks = [tuple(row) for row in session.execute(
-        select(Task.model, Task.status, func.count()).group_by(Task.model, Task.status))]
-    queued = dict.fromkeys(models, 0)
-    # the counts the queue limits read, kept by triggers (migration 0003): no count of the queue
-    queued.update(session.execute(select(QueueCount.name, QueueCount.queued).where(
-        QueueCount.kind == "model")).all())
-    return Figures(tasks, queued, liveness.worker_states(session, lease_seconds))
+def service_figures(svc: Services) -> Figures:
+    """Every served model has a queue depth, also when nothing counted it yet."""
+    with svc.sessions() as session:
+        tasks = [tuple(row) for row in session.execute(
+            select(Task.model, Task.status, func.count()).group_by(Task.model, Task.status))]
+        queued = dict.fromkeys(svc.registry.models, 0)
+        # the counts the queue limits read, kept by triggers (migration 0003): no count of the queue
+        queued.update(session.execute(select(QueueCount.name, QueueCount.queued).where(
+            QueueCount.kind == "model")).all())
+        return Figures(tasks, queued, liveness.worker_states(session, svc.settings.lease_seconds))

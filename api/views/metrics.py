@@ -56,8 +56,7 @@ class ServiceFigures:
 
     def collect(self):
         tasks, queue, up, running = self.describe()
-        with self.svc.sessions() as session:
-            figures = service_figures(session, self.svc.registry.models, self.svc.settings.lease_seconds)
+        figures = service_figures(self.svc)
         for model, status, count in figures.tasks:
             tasks.add_metric([model, status], count)
         for model, count in figures.queued.items():
