@@ -178,6 +178,15 @@ def run_batch(session: Session, steps: list[tuple[Compiled, dict]], *, commit: b
     On psycopg they go as one query string (its parameters quoted by psycopg, client-side), the
     commit included: one write, one wait for the database, and the database runs the statements back
     to back, so a lock one of them takes is held for no wait of ours (nor of our GIL)."""
+    return _batch(session, steps, commit, lambda cursor: cursor.rowcount)
+
+
+def fetch_batch(session: Session, steps: list[tuple[Compiled, dict]], *, commit: bool = False) -> list[list]:
+    """``run_batch`` that returns each step's rows (driver tuples; [] for a statement without any)."""
+    return _batch(session, steps, commit, lambda cursor: cursor.fetchall() if cursor.description else [])
+
+
+def _batch(session: Session, steps: list[tuple[Compiled, dict]], commit: bool, result) -> list:
     session.flush()  # rows the caller added go first (foreign keys)
     conn = session.connection()
     raw = conn.connection.driver_connection
@@ -189,18 +198,18 @@ def run_batch(session: Session, steps: list[tuple[Compiled, dict]], *, commit: b
                              + (["COMMIT"] if commit else []))
             with raw.cursor() as cursor:
                 cursor.execute(sql)
-                counts = [cursor.rowcount]
+                results = [result(cursor)]
                 while cursor.nextset():
-                    counts.append(cursor.rowcount)
-            counts = counts[:len(steps)]
+                    results.append(result(cursor))
+            results = results[:len(steps)]
         else:
             cursor = raw.cursor()
             try:
-                counts = []
+                results = []
                 for step, values in steps:
                     sql, params = step.bind(conn.dialect, values)
                     cursor.execute(sql, params)
-                    counts.append(cursor.rowcount)
+                    results.append(result(cursor))
             finally:
                 cursor.close()
     except conn.dialect.loaded_dbapi.Error as exc:
@@ -211,7 +220,7 @@ def run_batch(session: Session, steps: list[tuple[Compiled, dict]], *, commit: b
                                   connection_invalidated=broken, dialect=conn.dialect) from exc
     if commit:
         session.commit()  # after the database's own commit, only the session's bookkeeping
-    return counts
+    return results
 
 
 def alembic_config(url: str) -> Config:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections import namedtuple
 from dataclasses import dataclass
 
-from sqlalchemy import JSON, bindparam, case, exists, func, insert, select, tuple_, update
+from sqlalchemy import JSON, String, bindparam, case, exists, func, insert, select, text, tuple_, update
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from common import eventlog, events, fairshare, liveness
-from common.db import Compiled, commit_lazily, db_now, run_batch
+from common import eventlog, events, fairshare, liveness, timeline
+from common.db import Compiled, commit_lazily, db_now, fetch_batch, run_batch
 from common.errors import LMSPError, problem
 from common.events import Event, Sequence
 from common.ids import is_id, new_id
@@ -226,11 +228,69 @@ def _task_final(session: Session, task: Task, status: R, **kw) -> Publish:
 
 
 # -- claims (worker) ------------------------------------------------------------------------------
+# A claim reads its rows with the driver's own cursor and statements compiled once, as create_task
+# writes them: the ORM's identity map and row objects cost more than the database does on this path.
+TaskRow = namedtuple("TaskRow", Task.__table__.columns.keys())
+ResponseRow = namedtuple("ResponseRow", Response.__table__.columns.keys())
+_JSON_AT = {kind: [i for i, c in enumerate(table.columns) if isinstance(c.type, JSON)]
+            for kind, table in ((TaskRow, Task.__table__), (ResponseRow, Response.__table__))}
+
+
+def _row(kind, rows: list, pg: bool):
+    """The first of ``rows`` (driver tuples of a whole table row) as ``kind``; SQLite's JSON is text."""
+    if not rows:
+        return None
+    row = list(rows[0])
+    if not pg:
+        for i in _JSON_AT[kind]:
+            row[i] = None if row[i] is None else json.loads(row[i])
+    return kind._make(row)
+
+
+_SYNC_OFF = Compiled(text("SET LOCAL synchronous_commit = off"))  # commit_lazily's, in the claim's round trip
+_LIVE_SQL = text(f"tasks.status IN ({', '.join(sorted(repr(str(s)) for s in LIVE))})")
+_MODEL = bindparam("model", type_=String)  # None: the message's own task's model
+# A task handed on mid-run (live, no owner) is taken by its own message, ahead of the queue.
+_OWN = Compiled(update(Task).where(
+    Task.id == bindparam("task_id"), _LIVE_SQL, Task.worker_id.is_(None), Task.model == func.coalesce(
+        _MODEL, Task.model)).values(worker_id=bindparam("worker"), attempt=Task.attempt + 1)
+    .returning(*Task.__table__.c))
+_RESPONSE_OF = Compiled(select(*Response.__table__.c).where(Response.id == bindparam("response_id")))
+
+
+def _claim_queued_sql(timed: bool) -> Compiled:
+    """Postgres: the queue's claim as one statement (queued -> loading, attempt + 1, on the head of
+    ix_tasks_fair skipping rows another claim holds; fairshare.advance; timeline.claimed's row with
+    ``timed``) returning the task and its response: sent with the commit, its locks (the task's row, the
+    model's clock and queue count) are held for no round trip of ours."""
+    cols = Task.__table__.columns.keys()
+    timeline_sql = (",\ntimed AS (INSERT INTO task_attempts (task_id, attempt, worker_id, delivered_at, claimed_at)"
+                    " SELECT id, attempt, :worker, :delivered_at, :claimed_at FROM fresh)") if timed else ""
+    return Compiled(text(f"""
+WITH fresh AS (
+    UPDATE tasks SET status = '{LOADING}', updated_at = {db_now().compile(dialect=postgresql.dialect())}, worker_id = :worker, attempt = attempt + 1
+    WHERE id = (SELECT id FROM tasks WHERE model = COALESCE(:model, (SELECT model FROM tasks WHERE id = :task_id))
+                AND status = '{QUEUED}' ORDER BY virtual_finish, id LIMIT 1 FOR UPDATE SKIP LOCKED)
+      AND status = '{QUEUED}'
+    RETURNING {", ".join(cols)}),
+moved AS (
+    UPDATE virtual_times v SET finish = f.virtual_start FROM fresh f
+    WHERE v.model = f.model AND v.principal_id = '{fairshare.SYSTEM}' AND v.finish < f.virtual_start RETURNING 1),
+clock AS (
+    INSERT INTO virtual_times (model, principal_id, finish) SELECT model, '{fairshare.SYSTEM}', virtual_start
+    FROM fresh WHERE NOT EXISTS (SELECT FROM moved) ON CONFLICT (model, principal_id) DO NOTHING){timeline_sql}
+SELECT {", ".join(f"fresh.{c}" for c in cols)}, {", ".join(f"r.{c}" for c in Response.__table__.columns.keys())}
+FROM fresh JOIN responses r ON r.id = fresh.response_id"""))
+
+
+_CLAIM_QUEUED = {timed: _claim_queued_sql(timed) for timed in (False, True)}
+
+
 @dataclass
 class Claim:
     attempt: Attempt
-    task: Task
-    response: Response
+    task: TaskRow | Task
+    response: ResponseRow | Response
     log: list[Event]     # the response's events so far (a handed-on task continues after them)
     fresh: bool          # claimed from queued, not handed on mid-run
 
@@ -241,7 +301,8 @@ class Claim:
 
 
 def claim(session: Session, task_id: str, worker_id: str, *, model: str | None = None, retried: bool = False,
-          busy: frozenset[str] = frozenset()) -> tuple[Claim | None, Publish]:
+          busy: frozenset[str] = frozenset(), points: dict | None = None,
+          commit: bool = False) -> tuple[Claim | None, Publish]:
     """Take work for the message of ``task_id``: that task if it was handed on mid-run (loading/running/
     cancelling with no owner; its message jumped the queue), else the queued task of its model that
     comes first in fair-share order (common/fairshare.py), the message's own or another: every queued
@@ -253,47 +314,88 @@ def claim(session: Session, task_id: str, worker_id: str, *, model: str | None =
     ``retried``: this claim's transaction is being replayed (its commit's reply was lost), so a task
     of the model still loading under this worker id is our own claim, committed after all, unless it is
     running here (its response id in ``busy``): taken again rather than left for the sweeper to judge an
-    orphan."""
+    orphan. ``points``: the attempt's first timeline points (delivered_at; claimed_at is set here),
+    recorded with the claim. ``commit``: commit the claim's transaction too (on Postgres, a claim from
+    the queue in the same round trip)."""
+    pg = session.get_bind().dialect.name == "postgresql"
+    if points is not None:
+        points["claimed_at"] = time.time()
+    params = {"task_id": task_id, "worker": worker_id, "model": model}
     # Lazily committed: a claim the database loses in a crash leaves the task queued for the sweeper,
     # and this attempt fenced out of every write; the next ordinary commit makes it durable anyway.
-    commit_lazily(session)
-    of_model = model if model is not None else select(Task.model).where(Task.id == task_id).correlate(None) \
-        .scalar_subquery()
-    returning = dict(populate_existing=True)
-    task = session.execute(update(Task).where(
-        Task.id == task_id, Task.status.in_(LIVE), Task.worker_id.is_(None), Task.model == of_model).values(
-        worker_id=worker_id, attempt=Task.attempt + 1).returning(Task).execution_options(**returning)
-    ).scalar_one_or_none()
+    task = _row(TaskRow, fetch_batch(session, [(_SYNC_OFF, {})] * pg + [(_OWN, params)])[-1], pg)
     fresh = adopted = False
     if task is None and retried:
-        ours = select(Task.id).where(Task.model == of_model, Task.status == LOADING, Task.worker_id == worker_id,
-                                     Task.response_id.not_in(busy)).order_by(Task.virtual_finish).limit(1)
-        task = session.execute(update(Task).where(Task.id == ours.correlate(None).scalar_subquery()).values(
-            attempt=Task.attempt + 1).returning(Task).execution_options(**returning)).scalar_one_or_none()
+        task = _adopt(session, model if model is not None else _model_of(session, task_id), worker_id, busy)
         adopted = task is not None
     if task is None:
-        task = transition_returning(session, fairshare.next_queued(session, of_model), LOADING, only_from=[QUEUED],
-                                    worker_id=worker_id, attempt=Task.attempt + 1)
+        if pg:
+            return _claim_queued(session, params, points, commit), {}
+        task = _claim_queued_orm(session, model if model is not None else _model_of(session, task_id), worker_id)
         if task is None:
             return None, {}
         fresh = True
-        fairshare.advance(session, task)
     if task.status == CANCELLING:  # cancelled while nobody ran it: finish the cancellation now
         transition(session, task.id, CANCELLED, only_from=[CANCELLING])
         return None, _task_final(session, task, R.CANCELLED)
-    response = session.get(Response, task.response_id, populate_existing=True)
+    response = _row(ResponseRow, fetch_batch(session, [(_RESPONSE_OF, {"response_id": task.response_id})])[0], pg)
     log = [] if fresh else eventlog.read(session, response.id, 0, limit=10**9)
     if adopted and len(log) <= 1:  # our own claim from queued: nothing ran yet
         fresh, log = True, []
-    return Claim(Attempt(response.id, task.id, task.attempt, worker_id), task, response, log, fresh), {}
+    claimed = Claim(Attempt(response.id, task.id, task.attempt, worker_id), task, response, log, fresh)
+    if points is not None:
+        timeline.claimed(session, claimed.attempt, **points)
+    if commit:
+        session.commit()
+    return claimed, {}
 
 
-def claim_direct(session: Session, response_id: str, worker_id: str,
-                 model: str | None = None) -> tuple[Attempt, Response] | None:
-    commit_lazily(session)  # on the way to a person's first token, like create_direct
-    mine = () if model is None else (Response.model == model,)
-    row = respond_returning(session, response_id, R.IN_PROGRESS, only_from=[R.QUEUED], where=mine,
-                            worker_id=worker_id)
+def _claim_queued(session: Session, params: dict, points: dict | None, commit: bool) -> Claim | None:
+    values = {**params, **(points or {})}
+    rows = fetch_batch(session, [(_CLAIM_QUEUED[points is not None], values)], commit=commit)[0]
+    if not rows:
+        return None
+    split = len(TaskRow._fields)
+    task, response = TaskRow._make(rows[0][:split]), ResponseRow._make(rows[0][split:])
+    return Claim(Attempt(response.id, task.id, task.attempt, params["worker"]), task, response, [], True)
+
+
+def _claim_queued_orm(session: Session, model: str, worker_id: str) -> Task | None:
+    """SQLite (the embedded mode, one writer): the queue's claim as statements in turn."""
+    task = transition_returning(session, fairshare.next_queued(session, model), LOADING, only_from=[QUEUED],
+                                worker_id=worker_id, attempt=Task.attempt + 1)
+    if task is not None:
+        fairshare.advance(session, task)
+    return task
+
+
+def _adopt(session: Session, model: str, worker_id: str, busy: frozenset[str]) -> Task | None:
+    """A replayed claim's own task, claimed from queued by the commit whose reply was lost (rare)."""
+    ours = select(Task.id).where(Task.model == model, Task.status == LOADING, Task.worker_id == worker_id,
+                                 Task.response_id.not_in(busy)).order_by(Task.virtual_finish).limit(1)
+    return session.execute(update(Task).where(Task.id == ours.correlate(None).scalar_subquery()).values(
+        attempt=Task.attempt + 1).returning(Task).execution_options(populate_existing=True)).scalar_one_or_none()
+
+
+def _model_of(session: Session, task_id: str) -> str | None:
+    return session.execute(select(Task.model).where(Task.id == task_id)).scalar()
+
+
+_CLAIM_DIRECT = Compiled(update(Response).where(
+    Response.id == bindparam("response_id"), Response.status == R.QUEUED.value,
+    Response.model == func.coalesce(_MODEL, Response.model)).values(
+    status=R.IN_PROGRESS.value, updated_at=db_now(), worker_id=bindparam("worker"))
+    .returning(*Response.__table__.c))
+
+
+def claim_direct(session: Session, response_id: str, worker_id: str, model: str | None = None, *,
+                 commit: bool = False) -> tuple[Attempt, ResponseRow] | None:
+    """queued -> in_progress, one conditional UPDATE (``commit``: committed in the same round trip)."""
+    pg = session.get_bind().dialect.name == "postgresql"
+    steps = [(_SYNC_OFF, {})] * pg + [(_CLAIM_DIRECT, {"response_id": response_id, "worker": worker_id,
+                                                       "model": model})]
+    # Lazily committed: on the way to a person's first token, like create_direct.
+    row = _row(ResponseRow, fetch_batch(session, steps, commit=commit)[-1], pg)
     return None if row is None else (Attempt(response_id, None, 0, worker_id), row)
 
 
