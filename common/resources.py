@@ -11,7 +11,7 @@ from common.tables import Response, Task
 
 def response_object(r: Response, queued: bool = False) -> dict:
     """``queued``: a background response whose task waits for a worker (OpenAI's status for it)."""
-    return _response(r, queued).wire()
+    return response_model(r, queued).wire()
 
 
 def is_background(r: Response) -> bool:
@@ -37,7 +37,7 @@ def _fields(r: Response, queued: bool) -> dict:
                 error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
 
 
-def _response(r: Response, queued: bool = False) -> wire.ResponseObject:
+def response_model(r: Response, queued: bool = False) -> wire.ResponseObject:
     return wire.ResponseObject(**_fields(r, queued))
 
 
@@ -47,6 +47,6 @@ def task_object(t: Task, r: Response | None, event_resume: bool = True, attempts
     return wire.TaskObject(
         id=t.id, type=t.type, status=t.status, created_at=int(t.created_at), updated_at=int(t.updated_at),
         response_id=t.response_id, events_url=f"{wire.API}/tasks/{t.id}/events" if event_resume else None,
-        on_restart=t.on_restart, response=_response(r) if t.status == SUCCEEDED and r is not None else None,
+        on_restart=t.on_restart, response=response_model(r) if t.status == SUCCEEDED and r is not None else None,
         error=t.error if t.status == FAILED else None,
         extensions=timeline.extension(t.created_at, t.ended_at, list(attempts)))
