@@ -423,6 +423,8 @@ class Cluster(wider.Wider):
         if self.api is not None and self.api.poll() is None:
             self.api.send_signal(signal.SIGTERM)
         for name, proc in [*self.workers.items(), ("api", self.api)]:
+            if proc is None:  # the api never started: the run failed before it
+                continue
             try:
                 proc.wait(90)
             except subprocess.TimeoutExpired:
