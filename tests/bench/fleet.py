@@ -19,10 +19,14 @@ serves, so every claim runs beside them; two probes measure one api process hold
 
 Knobs: ``LMSP_FLEET_SECONDS`` (900) bounds the whole run; ``LMSP_FLEET_OUT`` (fleet-results.json);
 ``LMSP_FLEET_APIS`` (2) api processes of ``LMSP_FLEET_API_THREADS`` (1024) threads each;
-``LMSP_FLEET_STEPS`` (4,8,16,32,64,128); ``LMSP_FLEET_PG_CONNECTIONS`` (40): what the fleet's processes
-may hold of Postgres' max_connections, which ends the steps early where it is shared (raise it on a
-machine of its own: 32 workers need ~80). CPU is read from /proc for this machine's processes: the
-whole Postgres and Redis servers (their background processes too; shared: an upper bound).
+``LMSP_FLEET_STEPS`` (4,8,16,32,64,128); ``LMSP_FLEET_PG_CONNECTIONS``: what the fleet's processes may
+hold of Postgres' connections, by default what the server has free when the run starts (its
+max_connections less the superuser's reserve and the connections open then). A step of N workers
+needs 2 N + 20 (2 a worker, 8 an api process, 4 the bench's own): 84 for F5's 32 workers, within
+the 100 of a stock server; a step that does not fit ends the steps. ``LMSP_FLEET_ONLY`` (e.g. F5):
+only what those figures need (F5: the steps' phase A; no probes, followers or reports). CPU is read
+from /proc for this machine's processes: the whole Postgres and Redis servers (their background
+processes too; shared: an upper bound).
 """
 
 from __future__ import annotations
@@ -69,10 +73,11 @@ BACKLOG = int(os.environ.get("LMSP_FLEET_BACKLOG", str(min(10_000, int(SECONDS *
 HOLD = int(os.environ.get("LMSP_FLEET_HOLD", "10000"))
 STORM = 1000
 FANOUT = int(os.environ.get("LMSP_FLEET_FANOUT", "200"))
-# Postgres connections the whole fleet may hold: the local server's max_connections is shared (with other
-# databases, on a test machine). Each worker gets 2 (LMSP_FLEET_WORKER_CONNECTIONS), each api process 8: followers
-# read the log through the api's pool, and an exhausted pool answers POST /tasks 503 after 30 s.
-PG_CONNECTIONS = int(os.environ.get("LMSP_FLEET_PG_CONNECTIONS", "40"))
+ONLY = {f for f in os.environ.get("LMSP_FLEET_ONLY", "").split(",") if f}
+# Postgres connections the whole fleet may hold (None: what the server has free at the start). Each worker
+# gets 2 (LMSP_FLEET_WORKER_CONNECTIONS), each api process 8: followers read the log through the api's
+# pool, and an exhausted pool answers POST /tasks 503 after 30 s.
+PG_CONNECTIONS = int(os.environ["LMSP_FLEET_PG_CONNECTIONS"]) if "LMSP_FLEET_PG_CONNECTIONS" in os.environ else None
 WORKER_CONNECTIONS = int(os.environ.get("LMSP_FLEET_WORKER_CONNECTIONS", "2"))
 API_CONNECTIONS, BENCH_CONNECTIONS = 8, 4
 
@@ -135,6 +140,18 @@ def server(comm: str):
                     pass
         return out
     return pids
+
+
+def wanted(*figures: str) -> bool:
+    return not ONLY or not ONLY.isdisjoint(figures)
+
+
+def free_connections(db_url: str) -> int:
+    """The connections the server can still open for a client that is not a superuser."""
+    with psycopg.connect(dsn(db_url)) as conn:
+        return conn.execute(
+            "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+            " - (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')").fetchone()[0]
 
 
 def wal_lsn(db_url: str) -> int:
@@ -341,6 +358,8 @@ def step(run: Run, n: int, seconds: float) -> dict:
         run.fleet.start_workers([f"fleet-{i}" for i in range(have, n)], timeout=600)
         log(f"step N={n}: {n - have} workers started in {time.monotonic() - t:.0f}s")
     a = run_phase(run, n, seconds / 2, followers=False)
+    if not wanted("F1", "F3", "F4", "F7", "F8"):
+        return figures_of(n, a, None)
     base_rss, base_open = rss_kib(run.fleet.api_pids()), OPEN["followers"]
     b = run_phase(run, n, seconds / 2, followers=True)
     if b["rss"]:
@@ -348,10 +367,16 @@ def step(run: Run, n: int, seconds: float) -> dict:
     return figures_of(n, a, b)
 
 
-def figures_of(n: int, a: dict, b: dict) -> dict:
+def figures_of(n: int, a: dict, b: dict | None) -> dict:
+    """A step's figures from its phase A and its phase B (None: not run, its figures None)."""
     def per_k(cpu: float, events: int):
         return None if not events else round(1000 * cpu / events, 4)
 
+    if b is None:
+        b = {"rows_all": 0, "rows": 0, "steady_seconds": 1, "delivered_in_window": 0, "lag_ms": [None, None],
+             "post_p99_ms": None, "cpu": {"api": 0.0, "seconds": 1}, "followers_n": 0, "killed": None,
+             "directs_ok": 0, "directs": 0, "long_polls_ok": 0, "long_polls": 0,
+             **dict.fromkeys(("lost", "duplicated", "out_of_order", "finals_wrong", "unfinished", "refused"), 0)}
     rows_a, rows_b = a["rows_all"], b["rows_all"]
     # The api's work without followers scales with the events (tasks, polls, publishes): what phase B used
     # beyond phase A's cost per event, per event delivered to a follower. Not positive: not measurable.
@@ -618,6 +643,8 @@ def main() -> None:
     try:
         upgrade(db_url)
         partitioned = events_partitioned(db_url)
+        budget = PG_CONNECTIONS if PG_CONNECTIONS is not None else free_connections(db_url)
+        meta["pg_connections"] = budget
         fleet = Fleet(tmp, db_url, model, env={**PRODUCTION_ENV, **LIMITS_ENV},
                       extra_models=[model_entry(parked, engine=SIM_ENGINE, queue_depth=10**7)])
         fleet.worker_env = pool_env(WORKER_CONNECTIONS)
@@ -632,16 +659,17 @@ def main() -> None:
         meta["backlog_seconds"] = round(time.monotonic() - t, 1)
         log(f"backlog: {BACKLOG} tasks queued for {parked} in {meta['backlog_seconds']}s")
         left = deadline - time.monotonic()
-        report_need = 2 * (TTFT + REPORT_TOKENS / RATE) + REPORT_MEASURE + 10  # filling, measured, ending
+        # Reports: filling, measured, ending.
+        report_need = 2 * (TTFT + REPORT_TOKENS / RATE) + REPORT_MEASURE + 10 if wanted("F3", "F8") else 0
         step_seconds = max(20.0, min(120.0, (left - 120 - report_need) / 5))
         meta["step_seconds"] = step_seconds
-        if left > 200:
+        if left > 200 and wanted("F2"):
             storm = storm_probe(run)
             log(f"storm: {storm}")
         for n in STEPS:
-            if n * WORKER_CONNECTIONS + APIS * API_CONNECTIONS + BENCH_CONNECTIONS > PG_CONNECTIONS:
-                meta["stopped"] = (f"Postgres connections: N={n} needs more than LMSP_FLEET_PG_CONNECTIONS="
-                                   f"{PG_CONNECTIONS}")
+            conns = n * WORKER_CONNECTIONS + APIS * API_CONNECTIONS + BENCH_CONNECTIONS
+            if conns > budget:
+                meta["stopped"] = f"Postgres connections: N={n} needs {conns}, {budget} free"
                 log(meta["stopped"])
                 break
             need = step_seconds + 60 + 3 * max(0, n - len(fleet.workers))  # the phases, their tails, boots
@@ -653,14 +681,15 @@ def main() -> None:
             s = step(run, n, step_seconds)
             steps.append(s)
             print_step(s)
-            if reports is None and not s["saturated"] and time.monotonic() + report_need + 60 < deadline:
+            if reports is None and not s["saturated"] and time.monotonic() + report_need + 60 < deadline \
+                    and wanted("F3", "F8"):
                 log(f"reports of {REPORT_TOKENS} tokens, N={n}")
                 reports = reports_phase(run, n)
                 print_reports(reports)
             if s["saturated"]:
                 meta["stopped"] = f"saturated at N={n}: {s['saturated']}"
                 break
-        if deadline - time.monotonic() > 90:
+        if deadline - time.monotonic() > 90 and wanted("F1"):
             hold = hold_probe(run, min(90.0, deadline - time.monotonic() - 30))
             log(f"hold: {hold}")
     except Exception as exc:  # noqa: BLE001 - still print what was measured
@@ -674,6 +703,7 @@ def main() -> None:
         cleanup_redis(REDIS_URL, [model, parked])
         drop_database(db_url)
     goals(table, steps, hold, storm, partitioned, reports)
+    table.rows = [row for row in table.rows if wanted(row["id"])]
     meta["runtime_s"] = round(time.monotonic() - started, 1)
     ok = [s for s in steps if not s["saturated"]] or steps
     costs = basis(ok[-1], reports) if ok else None
