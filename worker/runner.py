@@ -430,7 +430,7 @@ def _run_direct(ctx: WorkerContext, model: str, engine, response_id: str, prompt
     try:
         job.run(job.builder(), prompt_ids=prompt_ids)
     except EngineStopped:
-        raise  # the drain (or the next boot) fails it: recovery.fail_direct
+        raise  # the drain (or the next boot) fails it: recovery.fail_direct_of
     except EngineLost:
         # A direct stream cannot be resumed: its client gets response.failed and may send it again.
         job.finish(R.FAILED, [], None, None, lifecycle.restarted_error(
