@@ -5,6 +5,7 @@ partitions; on SQLite (the embedded mode) ``purge`` and ``purge_direct`` delete 
 
 import time
 
+from psycopg import ClientCursor
 from sqlalchemy import delete, exists, func, select
 from sqlalchemy.orm import Session
 
@@ -37,18 +38,34 @@ def max_seq(session: Session, response_id: str) -> int:
     return session.execute(select(func.max(Event.seq)).where(Event.response_id == response_id)).scalar() or 0
 
 
+_PAGE = "SELECT seq, name, data FROM events WHERE response_id = {mark} AND seq > {mark} ORDER BY seq LIMIT {mark}"
+# A page is read in the primary key's order, which stops at its LIMIT. Left to itself Postgres plans it
+# as a bitmap scan whenever it takes the response for a small one (statistics not yet gathered, or a
+# response against the table's average): every event after ``after`` read and sorted for each page, a
+# long log's replay costing the square of its length. Measured on 100,000 events in pages of 5,000:
+# 3 µs of CPU a replayed event (Postgres 2.0, api 0.95), 1.05 in order (Postgres 0.3, api 0.75).
+_IN_ORDER = "SET LOCAL enable_bitmapscan = off;\n{};\nRESET enable_bitmapscan"
+
+
 def read(session: Session, response_id: str, after: int, limit: int = 1000) -> list[tuple[int, str, str]]:
     # Replays read with the driver's own cursor: SQLAlchemy's row objects cost 4x here, and a
     # long report's log is replayed whole by every late follower.
     conn = session.connection()
-    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    if conn.dialect.name == "postgresql":
+        return _in_order(conn, _PAGE.format(mark="%s"), (response_id, after, limit))
     cursor = conn.connection.cursor()
     try:
-        cursor.execute(f"SELECT seq, name, data FROM events WHERE response_id = {mark} AND seq > {mark} "
-                       f"ORDER BY seq LIMIT {mark}", (response_id, after, limit))
+        cursor.execute(_PAGE.format(mark="?"), (response_id, after, limit))
         return cursor.fetchall()
     finally:
         cursor.close()
+
+
+def _in_order(conn, sql: str, params: tuple) -> list[tuple]:
+    with ClientCursor(conn.connection.driver_connection) as cursor:  # the three statements in one round trip
+        cursor.execute(_IN_ORDER.format(sql), params)
+        cursor.nextset()
+        return cursor.fetchall()
 
 
 def purge(session: Session, response_ids: list[str]) -> int:
