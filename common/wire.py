@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 from pydantic.json_schema import SkipJsonSchema
 
 from common import registry
+from common.errors import Problem  # the one problem document (spec 9.3), in the shapes that carry one
 from common.states import STATES, ResponseState
 
 API = "/lmsp/v1"
@@ -50,24 +51,6 @@ def _absent_not_null(schema: dict) -> None:
 
 
 Absent = Annotated[str | SkipJsonSchema[None], Field(exclude_if=lambda value: value is None)]
-
-
-class Problem(BaseModel):
-    """An RFC 9457 problem document (spec 9.3). Other members may appear."""
-    model_config = ConfigDict(extra="allow", json_schema_extra=_absent_not_null)
-
-    type: str = Field(description="`/lmsp/v1/errors#<code>`; `about:blank` for an HTTP error without an "
-                                  "LMSP code", examples=["/lmsp/v1/errors#task_not_found"],
-                      json_schema_extra={"format": "uri-reference"})
-    title: str = Field(examples=["Task not found"])
-    status: int = Field(ge=100, le=599)
-    code: str = Field(description="Machine-readable error code (common/errors.py)", examples=["task_not_found"])
-    detail: str
-    instance: Absent = Field(None, description="The request path; absent in problems stored inside failed "
-                                               "responses and tasks")
-    param: Absent = Field(None, description="The offending field or parameter")
-    scope: Absent = Field(None, description="The missing scope (insufficient_scope)")
-    capability: Absent = Field(None, description="The capability the model lacks (unsupported_capability)")
 
 
 class Capabilities(registry.Capabilities, Shape):
