@@ -18,7 +18,7 @@ from common.wire import VERSION
 def gunicorn_argv(settings: Settings) -> list[str]:
     return [sys.executable, "-m", "gunicorn", "-k", "api.serve.Worker", "-w", str(settings.api_workers),
             "--threads", str(settings.api_threads), "-b", f"{settings.host}:{settings.port}",
-            "--timeout", "120", "--graceful-timeout", "10",
+            "--timeout", "120", "--graceful-timeout", "10", "--keep-alive", str(settings.api_keepalive_seconds),
             # One fixed path per host by default: the api processes of one host would take it from each other.
             "--no-control-socket", "api.wsgi:app"]
 

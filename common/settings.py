@@ -120,6 +120,10 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=1, le=65535)
     api_workers: int = Field(2, ge=1)
     api_threads: int = Field(256, ge=1)  # one per direct stream or WebSocket-mode connection (gthread)
+    # An idle kept-alive connection is closed after this. gunicorn's own 2 s is shorter than clients' and
+    # load balancers' idle expiry (httpx 5 s, nginx and cloud balancers 60 s): a request sent as the server
+    # closes its connection is reset unanswered (seen in a chaos run: a POST /responses reset with no fault).
+    api_keepalive_seconds: int = Field(75, ge=1)
     # Operations: logs, the worker's /readyz + /metrics port, the drain on SIGTERM.
     log_format: Literal["text", "json"] = "text"  # "json": one object a line with task, response and worker ids
     worker_metrics_host: str = "127.0.0.1"

@@ -348,6 +348,25 @@ def test_gunicorns_own_refusals_are_problem_documents_too(served):
     assert doc["code"] == "invalid_request" and doc["type"] == "/lmsp/v1/errors#invalid_request"
 
 
+def test_a_kept_alive_connection_outlives_a_clients_pause(served):
+    """A client's next request on its kept-alive connection after a few idle seconds is answered, not
+    reset: gunicorn's own keep-alive (2 s) closes the connection under a request sent as it expires (a
+    chaos run's POST /responses was reset so), and clients keep idle connections longer (httpx 5 s)."""
+    settings, _ = served
+    with socket.create_connection(("127.0.0.1", settings.port), timeout=10) as conn:
+        reader = conn.makefile("rb")
+        for pause in (0, 3):
+            time.sleep(pause)
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+            status = reader.readline()
+            assert status.startswith(b"HTTP/1.1 200"), (pause, status)
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                length = int(value) if name.lower() == "content-length" else length
+            assert json.loads(reader.read(length))
+
+
 def test_head_on_an_event_stream_answers_its_headers_and_no_stream(served):
     """HEAD has no body (RFC 9110 9.3.2): on a running task's events gunicorn's api answers the stream's
     headers and closes, instead of a follower writing events into a connection that expects none."""
