@@ -26,6 +26,7 @@ from tests.readers import request
 
 SSE, WS = 150, 50
 FLOOD_FOLLOWERS = 200
+FLOOD_TRIALS = 3
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +173,13 @@ def _lags(followers: Followers, written: dict[int, float], seqs) -> list[float]:
 
 def test_a_ping_flood_is_closed_and_the_other_followers_do_not_notice(small, sessions):
     """Issue 33, defect 2: a client flooding pings (and reading nothing) beside FLOOD_FOLLOWERS
-    ordinary followers is closed, the api's memory stays bounded, and the others' lag p99 stays
-    where it was (one fan-out thread serves them all)."""
+    ordinary followers is closed, the api's memory stays bounded, and the others' lag p99 while it
+    floods stays where it is without it (one fan-out thread serves them all).
+
+    The lag is compared with quiet windows on both sides of the flood, and a trial is repeated (up to
+    FLOOD_TRIALS) when the flood's window is the slow one: p99 of 30 events is the worst event or
+    two, so one scheduler stall on a loaded machine (CI runs three lanes on two cores) decides it. A
+    flood that slows the fan-out slows every trial's flood window."""
     base, port, token = small
     tid, rid = _task(sessions)
     publisher = Publisher(REDIS_URL)
@@ -184,29 +190,42 @@ def test_a_ping_flood_is_closed_and_the_other_followers_do_not_notice(small, ses
     assert len(followers.first) == FLOOD_FOLLOWERS
     api = _api_worker(port)
     written: dict[int, float] = {}
+    seqs = iter(range(2, 10 ** 6))
 
-    def publish(first: int, n: int) -> range:
-        for seq in range(first, first + n):
+    def publish(n: int) -> list[float]:
+        window = [next(seqs) for _ in range(n)]
+        for seq in window:
             written[seq] = time.time()
             _write(sessions, publisher, rid, events.Sequence(seq - 1).number([events.TextDelta(
                 response_id=rid, output_index=0, item_id="m", delta=f"{seq} ")]))
             followers.pump(0.05)
-        return range(first, first + n)
+        settle = time.monotonic() + 5
+        while len(_lags(followers, written, window)) < FLOOD_FOLLOWERS * n and time.monotonic() < settle:
+            followers.pump(0.1)
+        lags = _lags(followers, written, window)
+        assert len(lags) == FLOOD_FOLLOWERS * n  # every follower got every event
+        return lags
 
-    quiet = publish(2, 30)
+    def p99(lags: list[float]) -> float:
+        return lags[int(len(lags) * 0.99)]
+
     rss = rss_bytes(api)
-    result: dict = {}
-    flooder = threading.Thread(target=_flood, args=(port, tid, token, 8.0, result), daemon=True)
-    flooder.start()
-    loud = publish(32, 30)
-    flooder.join(10)
-    followers.pump(1)
-    before, during = _lags(followers, written, quiet), _lags(followers, written, loud)
-    p99 = (before[int(len(before) * 0.99)], during[int(len(during) * 0.99)])
-    grew = rss_bytes(api) - rss
-    print(f"flood: {result}; lag p99 {p99[0] * 1000:.1f} ms before, {p99[1] * 1000:.1f} ms during; RSS +{grew >> 10} KiB")
-    assert result["status"] == b"101" and "closed_after" in result, result  # the server closed the flooder
-    assert grew < 32 << 20, grew >> 20  # MiB: pongs are not piled up
-    assert len(during) == FLOOD_FOLLOWERS * 30  # every follower got every event
-    assert p99[1] <= max(2 * p99[0], p99[0] + 0.05), p99
+    for trial in range(FLOOD_TRIALS):
+        before = p99(publish(30))
+        result: dict = {}
+        flooder = threading.Thread(target=_flood, args=(port, tid, token, 8.0, result), daemon=True)
+        flooder.start()
+        during = p99(publish(30))
+        flooder.join(10)
+        after = p99(publish(30))
+        grew = rss_bytes(api) - rss
+        print(f"flood {trial}: {result}; lag p99 {before * 1000:.1f} ms before, {during * 1000:.1f} during, "
+              f"{after * 1000:.1f} after; RSS +{grew >> 10} KiB")
+        assert result["status"] == b"101" and "closed_after" in result, result  # the server closed the flooder
+        assert grew < 32 << 20, grew >> 20  # MiB: pongs are not piled up
+        quiet = max(before, after)
+        if during <= max(2 * quiet, quiet + 0.05):
+            break
+    else:
+        pytest.fail(f"the flood's window was the slow one in {FLOOD_TRIALS} trials: {during=} {quiet=}")
     followers.close()
