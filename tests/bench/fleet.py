@@ -49,6 +49,7 @@ from tests.bench.fleet_load import (
     OPEN,
     SIM_ENGINE,
     Fleet,
+    Followed,
     Loop,
     check,
     direct_stream,
@@ -479,22 +480,28 @@ def hold_probe(run: Run, seconds: float) -> dict:
 
 
 def storm_probe(run: Run) -> dict:
-    """STORM followers connect at once (spread over the api processes) to one running task."""
+    """STORM followers connect at once (spread over the api processes) to one running task. The CPU each
+    side spends until every follower has its first event (at most 5 s) is the connect's cost, profiled."""
     async def go():
         doc, _ = await post_task(run.loop.http, run.bases[0], run.token, task_body(run.fleet.model, "storm", 400))
         await asyncio.sleep(1.0)
-        t0 = time.time()
-        recs = await asyncio.gather(*[follow(run.loop.http, run.bases[k % len(run.bases)], run.token, doc["id"],
-                                             ("sse", "ws")[k % 2], deadline=120) for k in range(STORM)])
-        return t0, recs, doc["id"]
+        recs = [Followed(doc["id"], ("sse", "ws")[k % 2]) for k in range(STORM)]
+        t0, meter = time.time(), run.meter.start()
+        tasks = [asyncio.ensure_future(follow(run.loop.http, run.bases[k % len(run.bases)], run.token, doc["id"],
+                                              rec.mode, rec=rec, deadline=120)) for k, rec in enumerate(recs)]
+        while any(r.first_at is None for r in recs) and time.time() - t0 < 5:
+            await asyncio.sleep(0.05)
+        cpu = meter.stop()
+        await asyncio.gather(*tasks)
+        return t0, recs, doc["id"], cpu
 
-    t0, recs, task_id = run.loop.run(go())
+    t0, recs, task_id, cpu = run.loop.run(go())
     firsts = [r.first_at - t0 if r.first_at else None for r in recs]
     c = check(recs, read_log(run.db_url, [task_id]))
     got = [f for f in firsts if f is not None]
     return {"within_2s": sum(1 for f in got if f <= 2.0), "max_s": round(max(got), 2) if got else None,
             "p99_s": round(percentile(got, 99), 2) if got else None, "refused": sum(r.refused for r in recs),
-            "bad": c.bad}
+            "bad": c.bad, "cpu_ms_per_connect": {k: round(v * 1000 / STORM, 2) for k, v in cpu.items()}}
 
 
 # -- the goals and the sizing table ---------------------------------------------------------------------------------
