@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import queue
 from pathlib import Path
 
 from vllm import SamplingParams
@@ -19,7 +18,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from common.prompt import load_tokenizer
 from common.registry import EngineSettings
-from worker.gate import Delta, GatedHost, GenParams, Request
+from worker.gate import Delta, Deltas, GatedHost, GenParams, Request
 from worker.procs import (
     _descendants,
     _pin_process,
@@ -111,7 +110,7 @@ class EngineHost(GatedHost):
         # Prompts arrive chat-templated: adding BOS etc. again would corrupt them.
         self._tok_params = self._llm.renderer.default_cmpl_tok_params.with_kwargs(add_special_tokens=False)
 
-    async def _pump(self, req: Request, prompt: str | list[int], out: queue.Queue) -> None:
+    async def _pump(self, req: Request, prompt: str | list[int], out: Deltas) -> None:
         (engine_input,) = await self._llm.renderer.render_cmpl_async(
             [
                 TextPrompt(prompt=prompt)
@@ -123,7 +122,7 @@ class EngineHost(GatedHost):
         prompt_ids = list(engine_input["prompt_token_ids"])
         await self._admitted(req, out, len(prompt_ids), lambda: self._generate(req, engine_input, prompt_ids, out))
 
-    async def _generate(self, req: Request, engine_input, prompt_ids: list[int], out: queue.Queue) -> bool:
+    async def _generate(self, req: Request, engine_input, prompt_ids: list[int], out: Deltas) -> bool:
         """One admission: True once the request ended, False when the gate paused it."""
         if req.output_ids:  # resuming after a pause
             engine_input = TokensPrompt(prompt_token_ids=prompt_ids + req.output_ids)

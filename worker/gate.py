@@ -3,7 +3,8 @@ long-lived asyncio loop thread, and the admission gate.
 
 ``AsyncLLM`` binds to the asyncio loop that first uses it, and Celery has no asyncio pool, so an
 engine lives on one long-lived loop in a daemon thread. Pool threads hand requests to that loop
-with ``run_coroutine_threadsafe`` and read the streamed outputs from a thread-safe queue; every
+with ``run_coroutine_threadsafe`` and read the streamed outputs from a ``Deltas`` channel, which
+merges them over the consumer's window so its thread wakes once a window, not once a token; every
 in-flight task is one concurrent engine request, which keeps continuous batching full.
 
 Admission is ours: at most ``max_num_seqs`` requests are in the engine, the most urgent first: a
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -56,6 +56,61 @@ class Delta:
     finish_reason: str | None  # None while running; "stop" / "length" / "abort" at the end
     prompt_tokens: int  # number of prompt tokens (same on every delta)
     admitted_at: float | None = None  # when the request first got a slot in the batch (the task's timeline)
+    since: float = 0.0  # wall time the engine gave its first token of this Delta (LMSP_TRACE_TOKEN_TIMES)
+
+
+class Deltas:
+    """One request's output, from the loop thread to its consumer thread, merged over a window.
+
+    Handing each token over woke the consumer once a token (a thread switch and the GIL for every
+    stream, every engine step); the consumer reads the log's deltas a window at a time anyway. So the
+    loop only appends, and the consumer wakes when its window has passed, or at once for its first
+    Delta, the last one, an error, or ``max_tokens`` piled up."""
+
+    def __init__(self, window: float = 0.0, max_tokens: int = 1 << 30):
+        self.window, self.max_tokens = window, max_tokens
+        self._cond = threading.Condition(threading.Lock())
+        self._items: list[Delta | BaseException] = []
+        self._tokens = 0
+        self._wake_at = 0.0  # monotonic time from which any Delta wakes the consumer
+
+    def put(self, item: Delta | BaseException) -> None:
+        """(Loop thread.)"""
+        with self._cond:
+            if isinstance(item, Delta):
+                item.since = item.since or time.time()
+                self._tokens += item.token_ids
+            self._items.append(item)
+            if self._due(item):
+                self._cond.notify()
+
+    def _due(self, item) -> bool:
+        return (not isinstance(item, Delta) or item.finish_reason is not None or self._tokens >= self.max_tokens
+                or time.monotonic() >= self._wake_at)
+
+    def get(self) -> Delta | BaseException:
+        """(Consumer thread.) Every Delta since the last get, merged; an error once those are taken."""
+        with self._cond:
+            while not (self._items and any(self._due(i) for i in self._items)):
+                left = self._wake_at - time.monotonic()
+                self._cond.wait(left if left > 0 else None)  # past the window, a put wakes us
+            self._wake_at = time.monotonic() + self.window
+            if not isinstance(self._items[0], Delta):
+                return self._items.pop(0)
+            n = next((k for k, i in enumerate(self._items) if not isinstance(i, Delta)), len(self._items))
+            taken, self._items = self._items[:n], self._items[n:]
+            self._tokens = 0
+        return _merged(taken)
+
+
+def _merged(deltas: list[Delta]) -> Delta:
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return Delta(text="".join(d.text for d in deltas), token_ids=sum(d.token_ids for d in deltas),
+                 finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+                 admitted_at=next((d.admitted_at for d in deltas if d.admitted_at is not None), None),
+                 since=deltas[0].since)
 
 
 class Request:
@@ -106,7 +161,7 @@ class GatedHost:
         self._failed_prefilling: set[str] = set()  # requests that were in their first step when it failed
 
     # -- to implement -----------------------------------------------------------------------------
-    async def _pump(self, req: Request, prompt: str | list[int], out: queue.Queue) -> None:
+    async def _pump(self, req: Request, prompt: str | list[int], out: Deltas) -> None:
         raise NotImplementedError
 
     async def _engine_abort(self, engine_id: str) -> None:
@@ -117,9 +172,11 @@ class GatedHost:
         raise NotImplementedError
 
     # -- the interface the worker uses -----------------------------------------------------------
-    def generate(self, request_id: str, prompt: str | list[int], params: GenParams) -> Iterator[Delta]:
-        """Stream one request's output; it is submitted on the first next()."""
-        out: queue.Queue[Delta | BaseException] = queue.Queue()
+    def generate(self, request_id: str, prompt: str | list[int], params: GenParams, window: float = 0.0,
+                 max_tokens: int = 1 << 30) -> Iterator[Delta]:
+        """Stream one request's output, merged over ``window`` seconds (or ``max_tokens``) after the first
+        Delta; it is submitted on the first next()."""
+        out = Deltas(window, max_tokens)
         future = asyncio.run_coroutine_threadsafe(self._run(request_id, prompt, params, out), self._loop)
         try:
             while True:
@@ -134,7 +191,7 @@ class GatedHost:
             # task makes the engine abort the request.
             future.cancel()
 
-    async def _run(self, request_id: str, prompt: str | list[int], params: GenParams, out: queue.Queue) -> None:
+    async def _run(self, request_id: str, prompt: str | list[int], params: GenParams, out: Deltas) -> None:
         self._pumps.add(asyncio.current_task())
         req = Request(request_id, params)
         try:
@@ -170,7 +227,7 @@ class GatedHost:
         return request_id in self._failed_prefilling
 
     # -- the gate (loop thread) ---------------------------------------------------------------------
-    async def _admitted(self, req: Request, out: queue.Queue, prompt_tokens: int, run) -> None:
+    async def _admitted(self, req: Request, out: Deltas, prompt_tokens: int, run) -> None:
         """The admission loop of one request, every host's: ``run()`` once per admission, until it returns
         True (the request ended; its final Delta is out). False: the gate paused it (aborted in the engine,
         its tokens kept), and it is resubmitted as prompt + output so far once admitted again, unseen by

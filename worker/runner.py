@@ -171,10 +171,9 @@ class Job:
         # get them a few at a time: per event, a row, a publish and a wake-up of every follower.
         streamed = self.attempt.task_id is None and self.req.stream
         window = (settings.delta_window_ms if streamed else settings.task_delta_window_ms) / 1000
-        max_window_tokens = settings.delta_max_tokens
-        pending, pending_tokens, last_flush = "", 0, 0.0
         submitted_at = time.time()
-        for delta in self.engine.generate(entry.request_id, prompt, params):
+        # The host merges the engine's deltas over the window (its first one at once): one a window here.
+        for delta in self.engine.generate(entry.request_id, prompt, params, window, settings.delta_max_tokens):
             if not self.started:
                 self.started, self.first_token_at = True, time.monotonic()
                 marks = {"submitted_at": submitted_at, "admitted_at": delta.admitted_at,
@@ -182,22 +181,13 @@ class Job:
                 if self.attempt.task_id is not None and not ctx.write(partial(self._start, marks=marks)):
                     entry.cancelled = True
                     break
-            if _TOKEN_TIMES:
-                self.window_since = self.window_since if pending_tokens else time.time()
-                self.window_tokens = pending_tokens + delta.token_ids
+            self.window_since, self.window_tokens = delta.since, delta.token_ids
             self.output_tokens += delta.token_ids
             ctx.tokens.add(delta.token_ids)
-            pending += delta.text
-            pending_tokens += delta.token_ids
-            now = time.monotonic()
-            if delta.finish_reason or now - last_flush >= window or pending_tokens >= max_window_tokens:
-                self.emit(builder.feed(pending))
-                pending, pending_tokens, last_flush = "", 0, now
+            self.emit(builder.feed(delta.text))
             self.finish_reason = delta.finish_reason or self.finish_reason
             if entry.cancelled or entry.fenced or entry.write_error:
                 break
-        if pending:
-            self.emit(builder.feed(pending))
         if self.started:
             self.points["last_token_at"] = time.time()
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import queue
 import random
 import re
 import time
@@ -33,7 +32,7 @@ import zlib
 
 from common.prompt import load_tokenizer
 from common.registry import EngineSettings
-from worker.gate import Delta, GatedHost, Request
+from worker.gate import Delta, Deltas, GatedHost, Request
 
 CORPUS_WORDS = 2048
 CHARS_PER_JSON_TOKEN = 4  # a structured document is streamed in pieces of about a token
@@ -48,7 +47,7 @@ class _Stream:
 
     __slots__ = ("req", "out", "prompt_tokens", "pos", "doc", "limit", "t0", "base", "done", "crash")
 
-    def __init__(self, req: Request, out: queue.Queue, prompt_tokens: int, pos: int, doc: str | None, limit: int):
+    def __init__(self, req: Request, out: Deltas, prompt_tokens: int, pos: int, doc: str | None, limit: int):
         self.req = req
         self.out = out
         self.prompt_tokens = prompt_tokens
@@ -98,7 +97,7 @@ class SimEngine(GatedHost):
         self._ticker = asyncio.create_task(self._tick_forever())
 
     # -- one request -------------------------------------------------------------------------------
-    async def _pump(self, req: Request, prompt: str | list[int], out: queue.Queue) -> None:
+    async def _pump(self, req: Request, prompt: str | list[int], out: Deltas) -> None:
         params = req.params
         text = prompt if isinstance(prompt, str) else self._tok.tokenizer.decode(prompt)
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(self._tok.encode(prompt))
