@@ -65,7 +65,8 @@ class Deltas:
     Handing each token over woke the consumer once a token (a thread switch and the GIL for every
     stream, every engine step); the consumer reads the log's deltas a window at a time anyway. So the
     loop only appends, and the consumer wakes when its window has passed, or at once for its first
-    Delta, the last one, an error, or ``max_tokens`` piled up."""
+    Delta, the last one, an error, or ``max_tokens`` piled up. Windows after the first end on a grid
+    of the window's length, the same for every stream."""
 
     def __init__(self, window: float = 0.0, max_tokens: int = 1 << 30):
         self.window, self.max_tokens = window, max_tokens
@@ -94,7 +95,10 @@ class Deltas:
             while not (self._items and any(self._due(i) for i in self._items)):
                 left = self._wake_at - time.monotonic()
                 self._cond.wait(left if left > 0 else None)  # past the window, a put wakes us
-            self._wake_at = time.monotonic() + self.window
+            # Windows end on one clock for every stream: the writer's next commit then carries every
+            # stream's window at once, as when the engine's step woke them all (windows of each stream's
+            # own phase arrive one by one, a commit and a publish each).
+            self._wake_at = (time.monotonic() // self.window + 1) * self.window if self.window else 0.0
             if not isinstance(self._items[0], Delta):
                 return self._items.pop(0)
             n = next((k for k, i in enumerate(self._items) if not isinstance(i, Delta)), len(self._items))
