@@ -8,7 +8,7 @@ from flask import Flask
 
 from common.broker import make_celery
 from common.bus import Publisher
-from common.db import ensure_migrated, make_engine, session_factory
+from common.db import autocommit, ensure_migrated, make_engine, session_factory
 from common.prompt import load_tokenizer
 from common.registry import Registry, local_checkpoint
 from common.settings import Settings, get_settings
@@ -43,11 +43,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-    sessions = session_factory(engine)
+    sessions, reads = session_factory(engine), autocommit(engine)
     app.extensions["lmsp"] = Services(
-        settings=settings, engine=engine, sessions=sessions,
+        settings=settings, engine=engine, sessions=sessions, reads=reads,
         registry=Registry.load(settings.models_path), celery=make_celery(settings),
-        publisher=Publisher(settings.redis_url), hub=Hub(settings, sessions),
+        publisher=Publisher(settings.redis_url), hub=Hub(settings, reads),
         limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url),
         sender=ThreadPoolExecutor(1, "lmsp-dispatch"),
         auth_failures=AuthFailures(settings.auth_failures_per_minute),

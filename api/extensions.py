@@ -17,6 +17,7 @@ class Services:
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
+    reads: Engine  # engine's pool in autocommit (db.autocommit): a follower's one-query reads
     registry: Registry
     celery: Celery
     publisher: Publisher

@@ -13,7 +13,7 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from psycopg import ClientCursor
 from sqlalchemy import Float, create_engine, event, text
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import (
     ArgumentError,
     DBAPIError,
@@ -135,6 +135,13 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
+def autocommit(engine: Engine) -> Engine:
+    """``engine`` (its pool) for reads that need no transaction of their own: each query string runs as
+    its own, so a read is one round trip where a session's is three (its BEGIN, the read, and the
+    ROLLBACK at its close). A follower's connect reads twice (api/services/streams.py, api/live/reads.py)."""
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
 @contextmanager
 def transaction(factory: sessionmaker[Session]):
     """A session whose work commits at the end of the block, or rolls back on error."""
@@ -183,12 +190,28 @@ def run_batch(session: Session, steps: list[tuple[Compiled, dict]], *, commit: b
 
 def fetch_batch(session: Session, steps: list[tuple[Compiled, dict]], *, commit: bool = False) -> list[list]:
     """``run_batch`` that returns each step's rows (driver tuples; [] for a statement without any)."""
-    return _batch(session, steps, commit, lambda cursor: cursor.fetchall() if cursor.description else [])
+    return _batch(session, steps, commit, _rows)
+
+
+def fetch_on(conn: Connection, steps: list[tuple[Compiled, dict]]) -> list[list]:
+    """``fetch_batch`` on a Core connection, with no session: on one of ``autocommit``'s, the steps are
+    one round trip and one transaction (Postgres runs a query string of several as one)."""
+    return _send(conn, steps, False, _rows)
+
+
+def _rows(cursor) -> list:
+    return cursor.fetchall() if cursor.description else []
 
 
 def _batch(session: Session, steps: list[tuple[Compiled, dict]], commit: bool, result) -> list:
     session.flush()  # rows the caller added go first (foreign keys)
-    conn = session.connection()
+    results = _send(session.connection(), steps, commit, result)
+    if commit:
+        session.commit()  # after the database's own commit, only the session's bookkeeping
+    return results
+
+
+def _send(conn: Connection, steps: list[tuple[Compiled, dict]], commit: bool, result) -> list:
     raw = conn.connection.driver_connection
     sql = None
     try:
@@ -201,26 +224,23 @@ def _batch(session: Session, steps: list[tuple[Compiled, dict]], commit: bool, r
                 results = [result(cursor)]
                 while cursor.nextset():
                     results.append(result(cursor))
-            results = results[:len(steps)]
-        else:
-            cursor = raw.cursor()
-            try:
-                results = []
-                for step, values in steps:
-                    sql, params = step.bind(conn.dialect, values)
-                    cursor.execute(sql, params)
-                    results.append(result(cursor))
-            finally:
-                cursor.close()
+            return results[:len(steps)]
+        cursor = raw.cursor()
+        try:
+            results = []
+            for step, values in steps:
+                sql, params = step.bind(conn.dialect, values)
+                cursor.execute(sql, params)
+                results.append(result(cursor))
+            return results
+        finally:
+            cursor.close()
     except conn.dialect.loaded_dbapi.Error as exc:
         broken = bool(getattr(raw, "broken", False))
         if broken:
             conn.invalidate(exc)
         raise DBAPIError.instance(sql, None, exc, conn.dialect.loaded_dbapi.Error,
                                   connection_invalidated=broken, dialect=conn.dialect) from exc
-    if commit:
-        session.commit()  # after the database's own commit, only the session's bookkeeping
-    return results
 
 
 def alembic_config(url: str) -> Config:

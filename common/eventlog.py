@@ -7,6 +7,7 @@ import time
 
 from psycopg import ClientCursor
 from sqlalchemy import delete, exists, func, select
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from common.states import ResponseState
@@ -48,9 +49,14 @@ _IN_ORDER = "SET LOCAL enable_bitmapscan = off;\n{};\nRESET enable_bitmapscan"
 
 
 def read(session: Session, response_id: str, after: int, limit: int = 1000) -> list[tuple[int, str, str]]:
+    return read_on(session.connection(), response_id, after, limit)
+
+
+def read_on(conn: Connection, response_id: str, after: int, limit: int = 1000) -> list[tuple[int, str, str]]:
+    """``read`` on a Core connection: a follower's, of ``db.autocommit`` (no transaction to open and
+    roll back around the page's one query string)."""
     # Replays read with the driver's own cursor: SQLAlchemy's row objects cost 4x here, and a
     # long report's log is replayed whole by every late follower.
-    conn = session.connection()
     if conn.dialect.name == "postgresql":
         return _in_order(conn, _PAGE.format(mark="%s"), (response_id, after, limit))
     cursor = conn.connection.cursor()

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import redis
+from sqlalchemy.engine import Engine
 
 from api.live.follower import ENDED, FAILED, GONE, SHUTDOWN, Follower, Watcher
 from api.live.frames import Batch, Event
@@ -38,7 +39,7 @@ class ShuttingDown(Exception):
 class Hub:
     """One per api process: see the module. Other threads hand the fan-out thread work with ``call``."""
 
-    def __init__(self, settings: Settings, sessions):
+    def __init__(self, settings: Settings, reads: Engine):
         self.settings = settings
         self._topics: dict[str, Topic] = {}
         self.closing = threading.Event()  # set on SIGTERM (api/__init__.py)
@@ -46,7 +47,7 @@ class Hub:
         self.listener: Listener | None = None  # (the loop's thread asks it from its start)
         self.loop = Loop(self._poll_topics, self._tick, self._poll_every, self._failed)
         self.call = self.loop.call
-        self.reads = LogReader(sessions, self.call)
+        self.reads = LogReader(reads, self.call)
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=1
                                       ) if settings.redis_url else None
         self.listener = Listener(client, self.call, self._deliver, self._confirmed, self._transport_changed

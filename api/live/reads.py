@@ -6,6 +6,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from operator import itemgetter
 
+from sqlalchemy.engine import Engine
+
 from api.live.frames import Event
 from common import eventlog
 from common.events import FINAL
@@ -18,14 +20,15 @@ READERS = 4  # threads for the followers' database reads
 class LogReader:
     """Reads for followers, on ``READERS`` threads; ``call`` runs a result's handler on the fan-out thread."""
 
-    def __init__(self, sessions, call: Callable):
-        self.sessions, self.call = sessions, call
+    def __init__(self, engine: Engine, call: Callable):
+        """``engine``: one of ``db.autocommit``'s (a page is one query string)."""
+        self.engine, self.call = engine, call
         self._pool = ThreadPoolExecutor(READERS, "lmsp-follow-read")
 
     def page(self, response_id: str, after: int) -> tuple[list[Event], bool]:
         """Events after ``after`` from the log (a page), up to the final one, and whether it is among them."""
-        with self.sessions() as session:
-            page = eventlog.read(session, response_id, after, limit=PAGE)
+        with self.engine.connect() as conn:
+            page = eventlog.read_on(conn, response_id, after, limit=PAGE)
         final = not FINAL.isdisjoint(map(itemgetter(1), page))  # at C speed: a replay's pages are long
         if final:
             page = page[:next(i for i, event in enumerate(page) if event[1] in FINAL) + 1]

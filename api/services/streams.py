@@ -11,8 +11,8 @@ from common.tables import Task
 
 def open_stream(svc, principal: str, task_id: str) -> tuple[str, str]:
     """Check access, capability and retention; return (task id, response id)."""
-    with svc.sessions() as session:
-        task = followed_task(session, principal, task_id)
+    with svc.reads.connect() as conn:
+        task = followed_task(conn, principal, task_id)
     expired = _expired(task, svc.settings, task.ended_ago)
     spec = svc.registry.models.get(task.model)
     if spec is not None and not spec.public_capabilities()["event_resume"]:

@@ -89,12 +89,12 @@ def test_no_query_of_a_claim_a_sweep_or_the_writer_scans_a_table(crowded, monkey
         if not statement.lstrip().upper().startswith(("SELECT PG_", "BEGIN", "COMMIT")):
             statements.append((statement, parameters))
 
-    batch = db._batch  # compiled statements (the claim, create_task) go by the driver's cursor: seen here
+    send = db._send  # compiled statements (the claim, create_task) go by the driver's cursor: seen here
 
-    def capture_batch(session, steps, *args):
-        statements.extend(step.bind(session.get_bind().dialect, values) for step, values in steps)
-        return batch(session, steps, *args)
-    monkeypatch.setattr(db, "_batch", capture_batch)
+    def capture_send(conn, steps, *args):
+        statements.extend(step.bind(conn.dialect, values) for step, values in steps)
+        return send(conn, steps, *args)
+    monkeypatch.setattr(db, "_send", capture_send)
 
     settings = Settings(database_url=str(crowded.url))
     ctx = SimpleNamespace(settings=settings, sessions=sessions, worker_id="w2", orphans=set(),
@@ -107,7 +107,8 @@ def test_no_query_of_a_claim_a_sweep_or_the_writer_scans_a_table(crowded, monkey
             lifecycle.finish(session, claimed.attempt, lifecycle.R.COMPLETED, seq=events.Sequence(2), emitted=[], output=[],
                              usage={})
             eventlog.read(session, claimed.attempt.response_id, 0)
-            lifecycle.followed_task(session, "crowd", crowded.queued[1])
+            with db.autocommit(crowded).connect() as conn:
+                lifecycle.followed_task(conn, "crowd", crowded.queued[1])
             dead = liveness.expired_workers(session, 30, "w2")
             lifecycle.fail_direct(session, dead, {})
             lifecycle.hand_on(session, crowded.queued[2], error={}, attempt=0, owner_expired_after=30)

@@ -385,7 +385,7 @@ def test_stream_slots_cap_per_principal_and_per_process():
 def test_followers_read_the_log_when_redis_is_unreachable(svc):
     task = _finished_task(svc, n_events=5)
     settings = svc.settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
-    hub = Hub(settings, svc.sessions)
+    hub = Hub(settings, svc.reads)
     start = time.monotonic()
     got = [e for batch in follow(hub, task.response_id, 2, logged=True, heartbeat=0.5, ended=lambda: [])
            if batch for e in batch]
@@ -398,7 +398,7 @@ def test_a_revoked_token_ends_the_follower(svc):
         task = factories.task(session, "running", owner="pat", model=MODEL)
         session.commit()
     settings = svc.settings.model_copy(update={"stream_auth_recheck_seconds": 0.2})
-    hub = Hub(settings, svc.sessions)
+    hub = Hub(settings, svc.reads)
     allowed = threading.Event()
     allowed.set()
     threading.Timer(0.5, allowed.clear).start()

@@ -26,7 +26,7 @@ def _running():
 
 
 def _hub(unit) -> Hub:
-    hub = Hub(unit.settings, unit.sessions)
+    hub = Hub(unit.settings, unit.app.extensions["lmsp"].reads)
     assert not hub.connected  # no Redis in the unit layer: the follower polls the log
     return hub
 
@@ -211,7 +211,7 @@ def test_a_follower_that_is_not_read_falls_back_to_the_log_and_holds_its_bound(u
     """Issue 33: a follower whose reader is slower than the response takes no live batch past its
     bound (memory stays bounded) and is not cut for it: it reads the log at its reader's pace, and
     gets every event once, in order, to the final one."""
-    hub = Hub(unit.settings.model_copy(update={"follower_buffer_bytes": 4096}), unit.sessions)
+    hub = Hub(unit.settings.model_copy(update={"follower_buffer_bytes": 4096}), unit.app.extensions["lmsp"].reads)
     task = alice.task("running")
     script = _script(task.response_id)
     alice.log(task, script[:1])

@@ -15,7 +15,7 @@ def _script(rid):
 def test_a_page_ends_at_the_final_event(unit, alice, monkeypatch):
     task = alice.task("succeeded")
     alice.log(task, _script(task.response_id))
-    reader = LogReader(unit.sessions, lambda fn, *a: fn(*a))
+    reader = LogReader(unit.app.extensions["lmsp"].reads, lambda fn, *a: fn(*a))
     page, final = reader.page(task.response_id, 0)
     assert [seq for seq, _, _ in page] == [1, 2, 3] and final
     monkeypatch.setattr(reads, "PAGE", 2)
@@ -26,7 +26,7 @@ def test_a_page_ends_at_the_final_event(unit, alice, monkeypatch):
 def test_ended_is_asked_only_when_the_log_has_nothing_new(unit, alice):
     task = alice.task("running")
     alice.log(task, _script(task.response_id)[:2])
-    reader = LogReader(unit.sessions, lambda fn, *a: fn(*a))
+    reader = LogReader(unit.app.extensions["lmsp"].reads, lambda fn, *a: fn(*a))
     asked = []
 
     def ended():
