@@ -13,7 +13,7 @@ from collections.abc import Callable
 from api.live import reads
 from api.live.frames import Batch, Event
 from common.errors import LMSPError
-from common.events import FINAL, REASONING_DELTA, TEXT_DELTA, EventData, Sequence
+from common.events import FINAL, EventData, Sequence
 
 log = logging.getLogger("lmsp.live")
 # A follower's states (``Watcher``: WATCHING, then ENDED).
@@ -24,7 +24,6 @@ REPLAY, LIVE, GAP, ENDED, WATCHING = "replay", "live", "gap", "ended", "watching
 FINISHED, SHUTDOWN, FAILED, CUT, GONE, CLOSED = "finished", "shutdown", "failed", "cut", "gone", "closed"
 PENDING_MAX = 1024         # live events kept while a follower's log read runs; past it, read again
 WATCH_MAX = 64             # changes kept for a watcher (it wants to know that something changed, not what)
-TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})  # batches that change a started task's text, not its state
 
 
 class Follower:
@@ -237,7 +236,7 @@ class Watcher:
     ``transport_changed``, ``check_auth``, ``end``) and has the fields the hub reads of them."""
 
     __slots__ = ("hub", "response_id", "sink", "confirmed", "began", "state", "logged", "reading", "more",
-                 "last_auth", "text_wakes")
+                 "last_auth")
 
     def __init__(self, hub, response_id: str, sink):
         self.hub, self.response_id, self.sink = hub, response_id, sink
@@ -245,13 +244,9 @@ class Watcher:
         self.confirmed = threading.Event()
         self.began, self.state, self.logged, self.reading, self.more = True, WATCHING, False, False, False
         self.last_auth = float("inf")  # nothing to recheck: the long poll checked its token
-        # False once its task has started: a batch of text alone is dropped here, on the fan-out thread,
-        # and the waiting thread is not woken for each delta of the task's generation.
-        self.text_wakes = True
 
     def deliver(self, batch: Batch, jump: bool = False) -> None:
-        if self.text_wakes or not all(name in TEXT_ONLY for _, name, _ in batch.events):
-            self.sink.notify(batch.events, WATCH_MAX)
+        self.sink.notify(batch.events, WATCH_MAX)
 
     def transport_changed(self) -> None:
         self.sink.notify([], WATCH_MAX)

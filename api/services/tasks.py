@@ -17,6 +17,7 @@ from api.services.validation import prepare
 from api.services.work import queue_task_once, send_task
 from common import lifecycle, timeline, wire
 from common.errors import LMSPError
+from common.events import REASONING_DELTA, TEXT_DELTA
 from common.resources import task_object
 from common.states import FAILED, LOADING, QUEUED, SUCCEEDED, TERMINAL
 from common.tables import Response, Task
@@ -27,6 +28,7 @@ from common.tokens import Identity
 # on this timer: queued -> loading publishes nothing, and a notification may be lost.
 WAIT_RECHECK_SECONDS = 5.0
 WAIT_RECHECK_WITHOUT_REDIS = 0.5
+TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})
 NOT_STARTED = frozenset({QUEUED, LOADING})
 
 
@@ -83,9 +85,10 @@ def _wait_for_change(svc: Services, principal: str, task_id: str, response_id: s
             read_at = time.monotonic()
             if not unchanged(etag(task)) or task.status in TERMINAL or read_at >= deadline:
                 return task
-            sub.text_wakes = task.status in NOT_STARTED  # then a first token changes it (to running)
             while (now := time.monotonic()) < min(deadline, read_at + recheck):
-                if sub.get(timeout=min(deadline, read_at + recheck) - now) is not None:
+                batch = sub.get(timeout=min(deadline, read_at + recheck) - now)
+                if batch is not None and (task.status in NOT_STARTED
+                                          or not all(name in TEXT_ONLY for _, name, _ in batch)):
                     break  # a state event, a first token (or a reconnect, []): read the task again
 
 

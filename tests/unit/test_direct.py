@@ -36,24 +36,3 @@ def test_looks_at_most_every_interval_and_never_without_a_plain_socket():
         assert not watch(None).gone()  # the Flask test client, TLS: no socket to look at
     finally:
         server.close()
-
-
-def test_a_watcher_of_a_started_task_is_not_woken_by_its_text():
-    """The long poll's watcher (api/live/follower.py Watcher): once its task has started, a batch of
-    deltas alone is dropped on the fan-out thread; a state event, or any batch before the start,
-    wakes the waiting thread."""
-    from api.live.follower import Watcher
-    from api.live.frames import Batch
-    from api.live.sinks import QueueSink
-    from common.events import ITEM_DONE, TEXT_DELTA
-
-    watcher = Watcher(None, "resp_1", QueueSink(lambda fn, *a: fn(*a), None))
-    text = Batch([(5, TEXT_DELTA, "{}"), (6, TEXT_DELTA, "{}")])
-    watcher.deliver(text)
-    assert watcher.get(0.01) == text.events  # not started yet: its first token is news
-    watcher.text_wakes = False
-    watcher.deliver(text)
-    assert watcher.get(0.01) is None
-    state = Batch([(7, TEXT_DELTA, "{}"), (8, ITEM_DONE, "{}")])
-    watcher.deliver(state)
-    assert watcher.get(0.01) == state.events
