@@ -501,7 +501,8 @@ def storm_probe(run: Run) -> dict:
     got = [f for f in firsts if f is not None]
     return {"within_2s": sum(1 for f in got if f <= 2.0), "max_s": round(max(got), 2) if got else None,
             "p99_s": round(percentile(got, 99), 2) if got else None, "refused": sum(r.refused for r in recs),
-            "bad": c.bad, "cpu_ms_per_connect": {k: round(v * 1000 / STORM, 2) for k, v in cpu.items()}}
+            "bad": c.bad, "metered_s": round(cpu["seconds"], 2),
+            "cpu_ms_per_connect": {k: round(v * 1000 / STORM, 2) for k, v in cpu.items() if k != "seconds"}}
 
 
 # -- the goals and the sizing table ---------------------------------------------------------------------------------
