@@ -62,7 +62,8 @@ class Slot:
     loaded_at: float = 0.0        # monotonic: requests waiting since before it are its batch
     loads: int = 0
     failures: int = 0             # loads failed in a row (0: none since its last load worked)
-    cause: str | None = None      # why the last one failed
+    error: str | None = None      # the last load's own error
+    cause: str | None = None      # why it is not loaded: the failures in a row and that error
     retry_at: float = 0.0         # monotonic: not tried again before
     broken: bool = False          # failed max_failures times: unservable here
 
@@ -174,14 +175,17 @@ class Residency:
             leaving.append(slot)
             free += slot.gib
         if leaving and target.failures:  # not shown to work: nobody is unloaded for it
-            self._failed(target, f"{target.cause} (not retried: it would need loaded models unloaded)")
+            self._failed(target, None)
             return None, []
         return target, leaving
 
-    def _failed(self, slot: Slot, cause: str) -> None:
-        """(Under the lock.) A load of ``slot`` failed: counted; at the bound the model is unservable."""
+    def _failed(self, slot: Slot, error: str | None) -> None:
+        """(Under the lock.) A load of ``slot`` failed with ``error``, or was not tried (None): counted; at
+        the bound the model is unservable."""
         slot.failures += 1
-        slot.cause = f"loading {slot.spec.id} failed {slot.failures} times in a row; the last: {cause}"
+        slot.error = error or slot.error
+        note = "" if error else " (not retried: it would need loaded models unloaded)"
+        slot.cause = f"loading {slot.spec.id} failed {slot.failures} times in a row; the last: {slot.error}{note}"
         slot.retry_at = time.monotonic() + self.retry_after
         if slot.failures >= self.max_failures:
             slot.broken = True

@@ -67,7 +67,12 @@ def _postmaster(cluster: PgCluster) -> psutil.Process:
 
 
 def _walsender(primary: PgCluster) -> psutil.Process:
-    found = [p for p in _postmaster(primary).children() if "walsender" in " ".join(p.cmdline())]
+    def named(proc: psutil.Process) -> str:
+        try:
+            return " ".join(proc.cmdline())
+        except psutil.NoSuchProcess:  # a backend that just ended (a zombie until the postmaster reaps it)
+            return ""
+    found = [p for p in _postmaster(primary).children() if "walsender" in named(p)]
     assert found, "no WAL sender"
     return found[0]
 

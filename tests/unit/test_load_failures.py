@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from common.registry import ModelSpec
+from tests.harness import wait_for
 from tests.unit.test_residency import Engine, in_thread
 from worker.residency import Residency, Slot, Unservable
 
@@ -16,9 +17,12 @@ from worker.residency import Residency, Slot, Unservable
 class Broken:
     def __init__(self):
         self.tries = 0
+        self.first_try = lambda: None
 
     def __call__(self):
         self.tries += 1
+        if self.tries == 1:
+            self.first_try()
         raise RuntimeError("CUDA out of memory (simulated)")
 
 
@@ -43,6 +47,9 @@ def test_a_load_that_always_fails_is_bounded_and_evicts_a_loaded_model_at_most_o
     stop = threading.Event()
     res.load("a", stop)
     failed = []
+    # b's first try fails only once work for a waits: a b retried later while nobody wants a (a cold and
+    # unwanted) would cost a nothing, and on a loaded machine the thread below may start that late.
+    broken.first_try = lambda: wait_for(lambda: res.slots["a"].waiting, 10, "work for a waiting")
 
     def want_b():
         try:
