@@ -721,7 +721,7 @@ def require_task(session: Session, principal: str, task_id: str) -> Task:
                            .execution_options(populate_existing=True)).scalar_one_or_none() \
         if is_id("task", task_id) else None
     if task is None:
-        raise _no_task(task_id)
+        raise no_task(task_id)
     return task
 
 
@@ -738,10 +738,10 @@ def followed_task(conn: Connection, principal: str, task_id: str) -> FollowedTas
     rows = fetch_on(conn, [(_FOLLOWED, {"task_id": task_id, "principal": principal})])[0] \
         if is_id("task", task_id) else []
     if not rows:
-        raise _no_task(task_id)
+        raise no_task(task_id)
     return FollowedTask._make(rows[0])
 
 
-def _no_task(task_id: str) -> LMSPError:
+def no_task(task_id: str) -> LMSPError:
     return LMSPError("task_not_found", f"No task {task_id}")
 

@@ -5,9 +5,10 @@ a conditional read answers (its ETag, the shape or None while the client's If-No
 import hashlib
 import json
 import time
+from collections import namedtuple
 from collections.abc import Callable
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 from werkzeug.datastructures import ETags
 
@@ -18,9 +19,10 @@ from api.services.work import queue_task_once, send_task
 from common import lifecycle, timeline, wire
 from common.errors import LMSPError
 from common.events import REASONING_DELTA, TEXT_DELTA
+from common.ids import is_id
 from common.resources import task_object
 from common.states import FAILED, LOADING, QUEUED, SUCCEEDED, TERMINAL
-from common.tables import Response, Task
+from common.tables import Response, Task, TaskAttempt
 from common.tokens import Identity
 
 # A long poll re-reads the task when its response's channel carries anything but text (or anything
@@ -65,9 +67,33 @@ def poll(svc: Services, principal: str, task_id: str, wait: float, given: ETags,
     return tag, None if given.contains_weak(tag) else task
 
 
+# The read a long poll repeats (its first look and each recheck): the task and its attempts joined, one
+# statement on an autocommit connection (svc.reads), rows as the driver gives them: one round trip, no
+# session's BEGIN and ROLLBACK, no ORM objects. A succeeded task's response is read once more.
+_READ_TASK = (Task.id, Task.type, Task.model, Task.status, Task.on_restart, Task.error, Task.created_at,
+              Task.updated_at, Task.ended_at, Task.response_id)
+_READ_ATTEMPT = tuple(TaskAttempt.__table__.columns)
+_READ = (select(*_READ_TASK, *(c.label(f"attempt_{c.key}") for c in _READ_ATTEMPT))
+         .outerjoin(TaskAttempt, TaskAttempt.task_id == Task.id)
+         .where(Task.id == bindparam("task_id"), Task.principal_id == bindparam("principal"))
+         .order_by(TaskAttempt.attempt))
+_READ_RESPONSE = select(Response.__table__).where(Response.id == bindparam("response_id"))
+TaskRow = namedtuple("TaskRow", [c.key for c in _READ_TASK])
+AttemptRow = namedtuple("AttemptRow", [c.key for c in _READ_ATTEMPT])
+
+
 def read(svc: Services, principal: str, task_id: str) -> wire.TaskObject:
-    with svc.sessions() as session:
-        return _shown(session, lifecycle.require_task(session, principal, task_id), svc.registry)
+    with svc.reads.connect() as conn:
+        rows = conn.execute(_READ, {"task_id": task_id, "principal": principal}).all() \
+            if is_id("task", task_id) else []
+        if not rows:
+            raise lifecycle.no_task(task_id)
+        width = len(_READ_TASK)
+        task = TaskRow._make(rows[0][:width])
+        attempts = [AttemptRow._make(row[width:]) for row in rows if row[width] is not None]
+        response = conn.execute(_READ_RESPONSE, {"response_id": task.response_id}).one_or_none() \
+            if task.status == SUCCEEDED else None
+    return _task(task, response, svc.registry, attempts)
 
 
 def etag(task: wire.TaskObject) -> str:
