@@ -7,14 +7,27 @@ notification changes nothing.
 
 import redis
 
+from common.events import REASONING_DELTA, TEXT_DELTA
+
 CHANNEL = "lmsp:events:"   # + response id: the batches of events a writer committed
 CONTROL = "lmsp:control"   # response ids whose generation workers should abort
 REVOKED = "lmsp:revoked"   # token ids just revoked: every api process drops them from its cache
 HUB = "lmsp:hub"           # never published to: keeps an idle subscriber connection in subscribed mode
 
 
+# Events a reader of the task object need not hear of one by one: a long poll (GET /tasks/{id}?wait) is
+# told of every other event through its response's notices, not of every token.
+TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})
+
+
 def channel(response_id: str) -> str:
     return CHANNEL + response_id
+
+
+def notices(response_id: str) -> str:
+    """The topic (a channel with ``channel``) of ``response_id``'s notices: a batch's last event not of
+    ``TEXT_ONLY`` (its data left out), for every batch that holds one (api/live/hub.py ``watch``)."""
+    return "notices:" + response_id
 
 
 def response_of(channel_name: str | bytes) -> str:
@@ -58,6 +71,9 @@ class Publisher:
             for response_id, batch in batches.items():
                 if batch:
                     pipe.publish(channel(response_id), encode(batch))
+                    notice = next((e for e in reversed(batch) if e[1] not in TEXT_ONLY), None)
+                    if notice is not None:
+                        pipe.publish(channel(notices(response_id)), encode([(notice[0], notice[1], "{}")]))
             pipe.execute()
             return True
         except redis.RedisError:

@@ -20,6 +20,7 @@ from api.live.loop import TICK_SECONDS, Loop
 from api.live.reads import LogReader
 from api.live.sinks import Ended, QueueSink, SocketSink
 from api.live.topics import Listener, Topic
+from common.bus import notices
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.live")
@@ -75,8 +76,10 @@ class Hub:
         return follower
 
     def watch(self, response_id: str) -> Watcher:
-        """A ``Watcher`` of ``response_id``, subscribed (see ``subscribe``)."""
-        watcher = Watcher(self, response_id, QueueSink(self.call, self.settings))
+        """A ``Watcher`` of ``response_id``'s notices (common/bus.py ``notices``), subscribed (see
+        ``subscribe``): told of each batch with an event that may change its task or response object,
+        never of its text alone (a long poll of a report costs nothing a token)."""
+        watcher = Watcher(self, notices(response_id), QueueSink(self.call, self.settings))
         self.call(self._add, watcher)
         self.confirm(watcher)
         return watcher

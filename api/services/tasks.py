@@ -18,20 +18,17 @@ from api.services.validation import prepare
 from api.services.work import queue_task_once, send_task
 from common import lifecycle, timeline, wire
 from common.errors import LMSPError
-from common.events import REASONING_DELTA, TEXT_DELTA
 from common.ids import is_id
 from common.resources import task_object
-from common.states import FAILED, LOADING, QUEUED, SUCCEEDED, TERMINAL
+from common.states import FAILED, QUEUED, SUCCEEDED, TERMINAL
 from common.tables import Response, Task, TaskAttempt
 from common.tokens import Identity
 
-# A long poll re-reads the task when its response's channel carries anything but text (or anything
-# at all before the task runs: loading -> running publishes no event, its first text says it), and
-# on this timer: queued -> loading publishes nothing, and a notification may be lost.
+# A long poll re-reads the task at each of its response's notices (hub.watch: a batch with more than
+# text, the first text's batch included, as its output item opens), and on this timer: queued ->
+# loading publishes nothing, and a notification may be lost.
 WAIT_RECHECK_SECONDS = 5.0
 WAIT_RECHECK_WITHOUT_REDIS = 0.5
-TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})
-NOT_STARTED = frozenset({QUEUED, LOADING})
 
 
 def accept(svc: Services, principal: str, body: dict, on_restart: str, key: idempotency.Key | None) -> wire.TaskObject:
@@ -112,10 +109,8 @@ def _wait_for_change(svc: Services, principal: str, task_id: str, response_id: s
             if not unchanged(etag(task)) or task.status in TERMINAL or read_at >= deadline:
                 return task
             while (now := time.monotonic()) < min(deadline, read_at + recheck):
-                batch = sub.get(timeout=min(deadline, read_at + recheck) - now)
-                if batch is not None and (task.status in NOT_STARTED
-                                          or not all(name in TEXT_ONLY for _, name, _ in batch)):
-                    break  # a state event, a first token (or a reconnect, []): read the task again
+                if sub.get(timeout=min(deadline, read_at + recheck) - now) is not None:
+                    break  # a notice (or a reconnect, []): read the task again
 
 
 def page(svc: Services, principal: str, states: list[str], limit: int, cursor: str | None,

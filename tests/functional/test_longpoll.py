@@ -3,6 +3,10 @@
 import threading
 import time
 
+import redis
+
+from common.bus import TEXT_ONLY, channel, decode, notices
+from common.events import FINAL, ITEM_ADDED, TEXT_DELTA
 from tests.harness import user
 
 PARKED = "tiny:no-tools"  # registered in the stack, served by no worker: its tasks stay queued
@@ -70,3 +74,37 @@ def test_waiting_client_follows_a_task_to_the_end_in_few_requests(alice, model_i
     assert seen[-1] == "succeeded", seen
     # queued -> (loading ->) running -> succeeded: one answer per change, not a poll every few ms.
     assert len(seen) <= 5, seen
+
+
+def test_a_long_poll_is_told_of_each_batch_that_can_change_the_task_not_of_each_token(alice, model_id, redis_url):
+    """The notices a long poll watches (common/bus.py ``notices``), heard on Redis itself beside the events
+    channel: one for each batch holding an event that is not text (its seq and name), none for a batch of
+    text alone; the first text's batch (its item opens) and the final event are among them."""
+    sub = redis.Redis.from_url(redis_url).pubsub()
+    sub.psubscribe(channel("*"))  # before the task exists: nothing of it is missed
+    while sub.get_message(timeout=1) is None:
+        pass  # the subscription's confirmation
+    rid = submit(alice, model_id, tokens=48)["response_id"]
+    batches, heard = [], []
+
+    def hear(timeout: float) -> bool:
+        message = sub.get_message(timeout=timeout)
+        if message is not None and message["channel"].decode() in (channel(rid), channel(notices(rid))):
+            (heard if message["channel"].decode() == channel(notices(rid)) else batches).append(
+                decode(message["data"]))
+        return message is not None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (batches and batches[-1][-1][1] in FINAL):
+        hear(1)
+    deadline = time.monotonic() + 2  # the final batch's notice comes after it, in the same pipeline
+    while time.monotonic() < deadline:
+        hear(0.5)
+    sub.close()
+    assert batches and batches[-1][-1][1] in FINAL, "the task's events were not all heard"
+    expected = [[(e[0], e[1], "{}")] for b in batches for e in [next((e for e in reversed(b) if e[1] not in TEXT_ONLY), None)]
+                if e is not None]
+    texts_alone = [b for b in batches if all(e[1] in TEXT_ONLY for e in b)]
+    assert heard == expected and texts_alone, (heard, len(batches))
+    assert heard[-1][0][1] in FINAL
+    first_text = next(b for b in batches if any(e[1] == TEXT_DELTA for e in b))
+    assert any(e[1] == ITEM_ADDED for e in first_text)  # the first token's batch is a notice
