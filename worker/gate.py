@@ -60,20 +60,39 @@ class Delta:
 
 
 class Deltas:
-    """One request's output, from the loop thread to its consumer thread, merged over a window.
+    """One request's output, from the loop thread to its consumer, merged over a window.
 
     Handing each token over woke the consumer once a token (a thread switch and the GIL for every
     stream, every engine step); the consumer reads the log's deltas a window at a time anyway. So the
     loop only appends, and the consumer wakes when its window has passed, or at once for its first
     Delta, the last one, an error, or ``max_tokens`` piled up. Windows after the first end on a grid
-    of the window's length, the same for every stream."""
+    of the window's length, the same for every stream.
 
-    def __init__(self, window: float = 0.0, max_tokens: int = 1 << 30):
-        self.window, self.max_tokens = window, max_tokens
+    Once the consumer hands the middle over (``hand_over``), no thread is woken for them at all: the
+    loop thread gives each window's Delta to the consumer's handler itself, and the consumer waits
+    only for the end."""
+
+    def __init__(self, window: float = 0.0, max_tokens: int = 1 << 30, loop: asyncio.AbstractEventLoop | None = None):
+        """``loop``: the loop thread's, where a window a handler takes that no later Delta closes ends by
+        a timer (its clock is ``time.monotonic``)."""
+        self.window, self.max_tokens, self._loop = window, max_tokens, loop
         self._cond = threading.Condition(threading.Lock())
         self._items: list[Delta | BaseException] = []
         self._tokens = 0
         self._wake_at = 0.0  # monotonic time from which any Delta wakes the consumer
+        self._handler = None  # takes the middle Deltas on the loop thread, once handed over
+        self._timer = None
+        self._stopped = False  # the handler said stop: the consumer gets STOP
+
+    def hand_over(self, handler) -> None:
+        """(Consumer.) From now on each window's merged Delta but the last goes to ``handler(delta)``
+        on the loop thread; ``get`` returns only the rest: the last Delta (with what is pending), an
+        error, or ``STOP`` once ``handler`` returned False. An error ``handler`` raises is the
+        consumer's, as from the engine."""
+        with self._cond:
+            self._handler = handler
+            if self._items:  # put before this: their window needs its timer
+                self._loop.call_soon_threadsafe(self._arm)
 
     def put(self, item: Delta | BaseException) -> None:
         """(Loop thread.)"""
@@ -82,29 +101,94 @@ class Deltas:
                 item.since = item.since or time.time()
                 self._tokens += item.token_ids
             self._items.append(item)
-            if self._due(item):
-                self._cond.notify()
+            if self._handler is None or _ends(item):
+                if self._due(item):
+                    self._cond.notify()
+            else:
+                self._arm_locked()
+
+    def _arm(self) -> None:
+        with self._cond:
+            self._arm_locked()
+
+    def _arm_locked(self) -> None:
+        """(Loop thread, under the lock.) The handler's window: taken now if it is due, else at its end."""
+        if not self._items or any(_ends(i) for i in self._items):
+            return
+        if self._due(self._items[-1]):
+            self._flush()
+        elif self._timer is None:
+            self._timer = self._loop.call_at(self._wake_at, self._window_ended)
 
     def _due(self, item) -> bool:
         return (not isinstance(item, Delta) or item.finish_reason is not None or self._tokens >= self.max_tokens
                 or time.monotonic() >= self._wake_at)
 
-    def get(self) -> Delta | BaseException:
-        """(Consumer thread.) Every Delta since the last get, merged; an error once those are taken."""
+    def _next_window(self) -> None:
+        # Windows end on one clock for every stream: the writer's next commit then carries every
+        # stream's window at once, as when the engine's step woke them all (windows of each stream's
+        # own phase arrive one by one, a commit and a publish each).
+        self._wake_at = (time.monotonic() // self.window + 1) * self.window if self.window else 0.0
+        self._tokens = 0
+
+    def _window_ended(self) -> None:
+        """(Loop thread, at a window's end.)"""
         with self._cond:
-            while not (self._items and any(self._due(i) for i in self._items)):
+            self._timer = None  # a flush before it would have cancelled it: this window is the current one
+            if self._items:
+                self._flush()
+
+    def _flush(self) -> None:
+        """(Loop thread, under the lock.) The window's Deltas to the handler, unless what ends the stream
+        is among them (the consumer takes them all then)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._stopped or any(_ends(i) for i in self._items):
+            return
+        taken, self._items = self._items, []
+        self._next_window()
+        try:
+            go_on = self._handler(_merged(taken))
+        except Exception as exc:  # noqa: BLE001 - the consumer's, as an engine error would be
+            self._items.insert(0, exc)
+            self._cond.notify()
+            return
+        if go_on is False:
+            self._stopped = True
+            self._cond.notify()
+
+    def _wanted(self) -> bool:
+        """(Under the lock.) What the consumer waits for is here."""
+        if self._stopped:
+            return True
+        if self._handler is not None:
+            return any(_ends(i) for i in self._items)
+        return bool(self._items) and any(self._due(i) for i in self._items)
+
+    def get(self) -> Delta | BaseException | object:
+        """(Consumer thread.) Every Delta since the last get, merged; an error once those are taken;
+        ``STOP`` once a handler said stop."""
+        with self._cond:
+            while not self._wanted():
                 left = self._wake_at - time.monotonic()
-                self._cond.wait(left if left > 0 else None)  # past the window, a put wakes us
-            # Windows end on one clock for every stream: the writer's next commit then carries every
-            # stream's window at once, as when the engine's step woke them all (windows of each stream's
-            # own phase arrive one by one, a commit and a publish each).
-            self._wake_at = (time.monotonic() // self.window + 1) * self.window if self.window else 0.0
+                self._cond.wait(left if left > 0 and self._handler is None else None)  # past the window, a put wakes us
+            if self._stopped:
+                return STOP
+            self._next_window()
             if not isinstance(self._items[0], Delta):
                 return self._items.pop(0)
             n = next((k for k, i in enumerate(self._items) if not isinstance(i, Delta)), len(self._items))
             taken, self._items = self._items[:n], self._items[n:]
-            self._tokens = 0
         return _merged(taken)
+
+
+STOP = object()  # Deltas.get: the handler the middle was handed to said stop
+
+
+def _ends(item) -> bool:
+    """What a handler never takes: an error, or the last Delta."""
+    return not isinstance(item, Delta) or item.finish_reason is not None
 
 
 def _merged(deltas: list[Delta]) -> Delta:
@@ -177,19 +261,25 @@ class GatedHost:
 
     # -- the interface the worker uses -----------------------------------------------------------
     def generate(self, request_id: str, prompt: str | list[int], params: GenParams, window: float = 0.0,
-                 max_tokens: int = 1 << 30) -> Iterator[Delta]:
+                 max_tokens: int = 1 << 30, on_delta=None) -> Iterator[Delta]:
         """Stream one request's output, merged over ``window`` seconds (or ``max_tokens``) after the first
-        Delta; it is submitted on the first next()."""
-        out = Deltas(window, max_tokens)
+        Delta; it is submitted on the first next(). ``on_delta``: once the first Delta is taken, the
+        ones before the last go to ``on_delta(delta)`` on the loop thread instead (``Deltas.hand_over``),
+        and the stream ends early when it returns False."""
+        out = Deltas(window, max_tokens, self._loop)
         future = asyncio.run_coroutine_threadsafe(self._run(request_id, prompt, params, out), self._loop)
         try:
             while True:
                 item = out.get()
+                if item is STOP:
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if item.finish_reason is not None:
                     return
+                if on_delta is not None:
+                    out.hand_over(on_delta)
         finally:
             # Consumer gone early (closed, GeneratorExit, error): cancelling the
             # task makes the engine abort the request.

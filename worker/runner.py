@@ -173,7 +173,11 @@ class Job:
         window = (settings.delta_window_ms if streamed else settings.task_delta_window_ms) / 1000
         submitted_at = time.time()
         # The host merges the engine's deltas over the window (its first one at once): one a window here.
-        for delta in self.engine.generate(entry.request_id, prompt, params, window, settings.delta_max_tokens):
+        # A logged stream's windows after its first are taken on the engine's loop thread (``on_delta``),
+        # so no thread is woken for them; a streamed response's go on here (its publish waits for Redis).
+        take = partial(self._take, builder)
+        for delta in self.engine.generate(entry.request_id, prompt, params, window, settings.delta_max_tokens,
+                                          on_delta=take if self.logged and not streamed else None):
             if not self.started:
                 self.started, self.first_token_at = True, time.monotonic()
                 marks = {"submitted_at": submitted_at, "admitted_at": delta.admitted_at,
@@ -181,15 +185,21 @@ class Job:
                 if self.attempt.task_id is not None and not ctx.write(partial(self._start, marks=marks)):
                     entry.cancelled = True
                     break
-            self.window_since, self.window_tokens = delta.since, delta.token_ids
-            self.output_tokens += delta.token_ids
-            ctx.tokens.add(delta.token_ids)
-            self.emit(builder.feed(delta.text))
-            self.finish_reason = delta.finish_reason or self.finish_reason
-            if entry.cancelled or entry.fenced or entry.write_error:
+            if not take(delta):
                 break
         if self.started:
             self.points["last_token_at"] = time.time()
+
+    def _take(self, builder: OutputBuilder, delta) -> bool:
+        """A window's Delta as events; False once the response is to stop (cancelled, fenced, or its
+        events refused). On the consumer's thread, or on the engine's loop thread (``_generate``)."""
+        self.window_since, self.window_tokens = delta.since, delta.token_ids
+        self.output_tokens += delta.token_ids
+        self.ctx.tokens.add(delta.token_ids)
+        self.emit(builder.feed(delta.text))
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        entry = self.entry
+        return not (entry.cancelled or entry.fenced or entry.write_error)
 
     def _start(self, session, *, marks: dict) -> bool:
         """loading -> running, with the attempt's points up to its first token."""

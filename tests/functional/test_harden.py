@@ -36,7 +36,7 @@ class ScriptedEngine:
         from common.prompt import load_tokenizer
         return load_tokenizer(model_entry(MODEL)["checkpoint"])
 
-    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None):
+    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None):
         yield Delta(text=self.text, token_ids=3, finish_reason="stop", prompt_tokens=5)
 
     def abort(self, request_id):
@@ -165,7 +165,7 @@ class CrashingEngine(ScriptedEngine):
         super().__init__("")
         self.prefilling = prefilling
 
-    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None):
+    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None):
         raise EngineDied()
         yield  # a generator, as the engine's
 

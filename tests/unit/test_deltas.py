@@ -1,10 +1,13 @@
 """worker.gate.Deltas: a request's output handed from the engine loop to its consumer thread, merged
 over the consumer's window, so the consumer wakes once a window rather than once a token."""
 
+import asyncio
 import threading
 import time
 
-from worker.gate import Delta, Deltas
+import pytest
+
+from worker.gate import STOP, Delta, Deltas
 
 
 def _delta(text: str, finish: str | None = None, admitted_at: float | None = None) -> Delta:
@@ -76,3 +79,80 @@ def test_a_window_with_no_token_yet_is_not_lost_when_tokens_stop():
     threading.Timer(0.02, out.put, args=(_delta("b"),)).start()
     started = time.monotonic()
     assert out.get().text == "b" and time.monotonic() - started < 0.5
+
+
+# -- the middle handed over: taken on the loop thread, the consumer woken only for the end -----------
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="engine-loop", daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+def _produce_on(loop, out: Deltas, texts: list[str], every: float, last: str | None = "stop", gap_at=None):
+    """Each text a Delta put on the loop thread (as the engine's pump puts them), ``every`` s apart; a
+    pause of ``gap_at[1]`` s before text ``gap_at[0]``."""
+    def run():
+        for k, text in enumerate(texts):
+            time.sleep(gap_at[1] if gap_at and k == gap_at[0] else every)
+            finish = last if k == len(texts) - 1 else None
+            loop.call_soon_threadsafe(out.put, _delta(text, finish, 1.0 if k == 0 else None))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _consume(out: Deltas, handler) -> list:
+    """As ``GatedHost.generate`` with ``on_delta``: the first Delta, then the middle handed over."""
+    got = [out.get()]
+    out.hand_over(handler)
+    while True:
+        item = out.get()
+        got.append(item)
+        if item is STOP or isinstance(item, BaseException) or item.finish_reason is not None:
+            return got
+
+
+def test_handed_over_the_middle_windows_go_to_the_handler_on_the_loop_thread_and_the_consumer_wakes_twice(loop):
+    out = Deltas(window=0.1, loop=loop)
+    taken = []
+    _produce_on(loop, out, [f"{k} " for k in range(40)], 0.01)  # ~0.4 s
+    got = _consume(out, lambda d: taken.append((threading.current_thread().name, d)))
+    assert len(got) == 2 and got[0].text == "0 " and got[-1].finish_reason == "stop"  # the first, the end
+    assert {name for name, _ in taken} == {"engine-loop"}
+    text = got[0].text + "".join(d.text for _, d in taken) + got[-1].text
+    assert text == "".join(f"{k} " for k in range(40))  # nothing lost, in order
+    assert 2 <= len(taken) <= 6, [d.token_ids for _, d in taken]  # a call a window, not a token
+
+
+def test_a_lone_token_in_the_middle_reaches_the_handler_at_its_window_end(loop):
+    """No later Delta closes its window (the request is paused, or the engine slow): a timer does."""
+    out = Deltas(window=0.1, loop=loop)
+    taken = []
+    # "b" comes shortly after "a" (inside a's window, so held), then nothing for 1 s.
+    _produce_on(loop, out, ["a", "b", "c"], 0.01, gap_at=(2, 1.0))
+    first = out.get()
+    out.hand_over(lambda d: taken.append((time.monotonic(), d.text)))
+    time.sleep(0.5)
+    assert first.text == "a" and [text for _, text in taken] == ["b"]  # within its window, not after the pause
+    assert out.get().text == "c"
+
+
+def test_a_handler_that_says_stop_ends_the_stream_and_one_that_raises_hands_its_error_over(loop):
+    out = Deltas(window=0.05, loop=loop)
+    producer = _produce_on(loop, out, [f"{k} " for k in range(30)], 0.01)
+    assert _consume(out, lambda d: False)[-1] is STOP
+    producer.join()
+
+    boom = ValueError("the builder refused it")
+    out = Deltas(window=0.05, loop=loop)
+    producer = _produce_on(loop, out, [f"{k} " for k in range(30)], 0.01)
+
+    def refuse(d):
+        raise boom
+    assert _consume(out, refuse)[-1] is boom
+    producer.join()
