@@ -278,8 +278,9 @@ class GatedHost:
                 yield item
                 if item.finish_reason is not None:
                     return
-                if on_delta is not None:
+                if on_delta is not None:  # once, after the first Delta
                     out.hand_over(on_delta)
+                    on_delta = None
         finally:
             # Consumer gone early (closed, GeneratorExit, error): cancelling the
             # task makes the engine abort the request.
