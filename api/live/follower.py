@@ -23,6 +23,7 @@ REPLAY, LIVE, GAP, ENDED, WATCHING = "replay", "live", "gap", "ended", "watching
 # error, a flood: the close frame is already written).
 FINISHED, SHUTDOWN, FAILED, CUT, GONE, CLOSED = "finished", "shutdown", "failed", "cut", "gone", "closed"
 PENDING_MAX = 1024         # live events kept while a follower's log read runs; past it, read again
+READING_AHEAD = ()         # a follower's ``ahead`` while the page after the one it sends is read
 WATCH_MAX = 64             # changes kept for a watcher (it wants to know that something changed, not what)
 
 
@@ -43,7 +44,7 @@ class Follower:
     when the worker could not publish them, so it starts live and reads the log on a gap or poll."""
 
     __slots__ = ("hub", "response_id", "sink", "state", "seq", "logged", "ended", "authorized",
-                 "pending", "reread", "reading", "more", "began", "last_auth", "confirmed", "checking")
+                 "pending", "reread", "reading", "more", "ahead", "began", "last_auth", "confirmed", "checking")
 
     def __init__(self, hub, response_id: str, sink):
         self.hub, self.response_id, self.sink = hub, response_id, sink
@@ -54,6 +55,7 @@ class Follower:
         self.ended: Callable[[], list[EventData] | None] = _running
         self.authorized: Callable[[], bool] | None = None
         self.pending: list[Event] = []
+        self.ahead: tuple | None = None  # a replay's next page, read while this one was sent
         self.reread = self.reading = self.more = self.began = self.checking = False
         self.last_auth = time.monotonic()
         self.confirmed = threading.Event()  # the subscription is live (or Redis is away)
@@ -139,25 +141,43 @@ class Follower:
         self.hub.read(self, self.seq.last, ask_ended, known)
 
     def read_on(self) -> None:
-        """The sink took the last page of a replay: the next one."""
+        """The sink took the last page of a replay: the next one (read already, or read now)."""
         if self.more and self.state != ENDED and not self.reading:
-            self._read(ask_ended=True)  # an empty page after a full one: purged meanwhile (410), or its end
+            if self.ahead is not None:  # not READING_AHEAD: that one is ``reading``
+                ahead, self.ahead, self.more = self.ahead, None, False
+                self.read_done(*ahead, None)
+            else:
+                self._read(ask_ended=True)  # an empty page after a full one: purged meanwhile (410), or its end
 
     def read_done(self, page: Batch | list[Event] | None, final: bool, ending, error: BaseException | None) -> None:
         """A log read came back: its page, whether the final event is in it, and (asked when the page
-        was empty) the events that end the stream another way (``ended()``), or what it raised."""
+        was empty) the events that end the stream another way (``ended()``), or what it raised.
+
+        A full page that the sink can take at once (its reader keeps up) has the next page read while
+        it is framed and sent: the database's time overlaps ours. That page waits in ``ahead`` if the
+        reader has fallen behind meanwhile, so a replay holds at most one page more than it sends."""
         self.reading = False
         if self.state == ENDED:
             return
         if error is not None:
             self.end(FAILED, error)
             return
+        if self.ahead is READING_AHEAD:
+            self.ahead = None
+            if page and not self.sink.wants_more():
+                self.ahead, self.more = (page, final, ending), True  # the sink's drain takes it (read_on)
+                return
         gained = bool(page)
         if page:
             batch = page if isinstance(page, Batch) else Batch(page)
             page = batch.events
             self.seq.last = page[-1][0]
             self.hub.advanced(self.response_id, self.seq.last)
+            if len(page) >= reads.PAGE and not final and not self.reread and self.sink.wants_more():
+                self._read(ask_ended=True)  # the next page, while this one goes out
+                self.ahead = READING_AHEAD
+                self.sink.events(batch)
+                return
             self.sink.events(batch)
             if self.state == ENDED:
                 return
@@ -216,7 +236,7 @@ class Follower:
         if self.state == ENDED:
             return
         self.state = ENDED
-        self.pending = []
+        self.pending, self.ahead = [], None
         self.hub.forget(self)
         if not keep_socket:
             self.sink.finish(how, exc, self.seq.last)

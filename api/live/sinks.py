@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from operator import itemgetter
 
 from api.live.follower import CLOSED, CUT, FAILED, FINISHED, GONE, SHUTDOWN
 from api.live.frames import (
@@ -275,6 +276,12 @@ class Ended:
         self.how, self.exc = how, exc
 
 
+def _size(events: list) -> int:
+    """What a batch of events weighs against the bound (their data, and 32 for the rest), at C speed:
+    a replay's pages hold thousands."""
+    return sum(map(len, map(itemgetter(2), events))) + 32 * len(events)
+
+
 class QueueSink:
     """A request thread reads this follower (``follow``): batches of events, then an ``Ended``."""
 
@@ -288,7 +295,7 @@ class QueueSink:
         self.cond = threading.Condition(threading.Lock())
 
     def events(self, batch: Batch) -> None:
-        size = sum(len(e[2]) + 32 for e in batch.events)
+        size = _size(batch.events)
         with self.cond:
             self.items.append(batch.events)
             self.queued += size
@@ -321,7 +328,7 @@ class QueueSink:
                 return None
             item = self.items.popleft()
             if isinstance(item, list):
-                self.queued -= sum(len(e[2]) + 32 for e in item)
+                self.queued -= _size(item)
             empty = not self.items
         if empty and self.follower.more:
             self.call(self.follower.read_on)  # the replay's next page, now this one is taken

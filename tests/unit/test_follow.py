@@ -167,6 +167,52 @@ def test_a_replay_longer_than_a_page_comes_whole_and_in_order(unit, alice, monke
     assert [seq for batch in batches for seq, _, _ in batch] == [1, 2, 3, 4, 5, 6]  # nothing after the final
 
 
+def _paged(unit, alice, monkeypatch, n: int):
+    """A finished log of ``n`` events read in pages of 2, and a hub whose page reads (``read``, asked on
+    the fan-out thread) and pages given to a follower's sink (``sent``) are recorded in order."""
+    from api.live.sinks import QueueSink
+    monkeypatch.setattr("api.live.reads.PAGE", 2)
+    task = alice.task("succeeded")
+    rid = task.response_id
+    deltas = [events.TextDelta(response_id=rid, output_index=0, item_id="msg_1", delta=str(i)) for i in range(n - 2)]
+    alice.log(task, [events.ResponseCreated(response_id=rid), *deltas, events.final(rid, "completed", usage=USAGE)])
+    hub, order = _hub(unit), []
+    read, sent = hub.read, QueueSink.events
+
+    def reading(follower, after, *args):
+        order.append(("read", after))
+        read(follower, after, *args)
+
+    def sending(sink, batch):
+        order.append(("sent", batch.events[-1][0]))
+        sent(sink, batch)
+    hub.read = reading
+    monkeypatch.setattr(QueueSink, "events", sending)
+    return hub, rid, order
+
+
+def test_a_replay_reads_its_next_page_while_it_sends_one(unit, alice, monkeypatch):
+    """Issue 38 (B5): for a reader that keeps up, the page after a full one is asked for before that one
+    goes to the sink, so the database's time overlaps the framing and sending."""
+    hub, rid, order = _paged(unit, alice, monkeypatch, 6)
+    seqs = [seq for batch in follow(hub, rid, 0, logged=True, heartbeat=1, ended=_running) for seq, _, _ in batch]
+    assert seqs == [1, 2, 3, 4, 5, 6]
+    assert order == [("read", 0), ("read", 2), ("sent", 2), ("read", 4), ("sent", 4), ("sent", 6)]
+
+
+def test_a_replay_reads_at_most_one_page_ahead_of_a_reader_that_stops(unit, alice, monkeypatch):
+    """A reader that stops taking pages makes the replay stop reading too: one page waits in the sink,
+    at most one more is held, however long the log; and when it reads on it gets every event once."""
+    hub, rid, order = _paged(unit, alice, monkeypatch, 40)
+    stream = follow(hub, rid, 0, logged=True, heartbeat=1, ended=_running)
+    first = next(stream)
+    time.sleep(0.5)  # time for any number of reads
+    reads_, pages = sum(1 for what, _ in order if what == "read"), sum(1 for what, _ in order if what == "sent")
+    assert pages == 2 and reads_ == 3  # the page taken, the page waiting, the page held ahead
+    seqs = [seq for batch in [first, *stream] for seq, _, _ in batch]
+    assert seqs == list(range(1, 41))
+
+
 def test_sse_frames_are_the_spec_form_byte_for_byte(unit, alice):
     """6.3: each event is ``id``, ``event`` and ``data`` lines and a blank line, the data as logged after
     its ``type`` and ``sequence_number`` (what the OpenAI SDK reads)."""
