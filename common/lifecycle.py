@@ -101,6 +101,7 @@ def _typed(columns) -> list:
 
 
 _STEPS: dict[tuple, Compiled] = {}
+_NOW = db_now()
 
 
 def _row_step(row: Base, *, after: str | None = None, room: bool = False, **sql) -> tuple[Compiled, dict]:
@@ -167,7 +168,7 @@ def create_task(session: Session, response: Response, task: Task, room: Room | N
     at = len(steps)
     # The principal's clock is charged, then the task tagged from it (common/fairshare.py).
     fair = fairshare.charge_params(task.model, task.principal_id, task.cost)
-    tagged, task_values = _row_step(task, after=response.id, dispatched_at=db_now(), **fairshare.task_tags())
+    tagged, task_values = _row_step(task, after=response.id, dispatched_at=_NOW, **fairshare.TASK_TAGS)
     steps += [(head, values), (fairshare.CHARGE, {**fair, "created_response": response.id}),
               (tagged, {**task_values, **fair}), _row_step(first, after=response.id),
               *(_row_step(row, after=response.id) for row in also)]
