@@ -43,7 +43,7 @@ from __future__ import annotations
 from sqlalchemy import bindparam, select, text, update
 from sqlalchemy.orm import Session
 
-from common.db import Compiled
+from common.db import Compiled, fetch_batch, run_batch
 from common.states import QUEUED
 from common.tables import Principal, Task, VirtualTime
 
@@ -123,25 +123,37 @@ def advance(session: Session, task: Task) -> None:
 
 
 # -- the end of a task ---------------------------------------------------------------------------------
+# settle's statements, compiled once: every end of a task runs them.
+_SETTLE = {queued: Compiled(update(Task).where(Task.id == bindparam("task_id"), *([Task.status == QUEUED] if queued else ()))
+                            .values(cost=Task.cost).returning(Task.model, Task.principal_id, Task.cost,
+                                                              Task.virtual_start, Task.virtual_finish))
+           for queued in (False, True)}
+_SETTLE_TASK = Compiled(update(Task).where(Task.id == bindparam("task_id")).values(
+    cost=bindparam("new_cost"), virtual_start=bindparam("new_start"), virtual_finish=bindparam("new_finish")))
+_GIVE_BACK = Compiled(update(VirtualTime).where(
+    VirtualTime.model == bindparam("model"), VirtualTime.principal_id == bindparam("principal")).values(
+    finish=VirtualTime.finish - bindparam("back")))
+
+
 def settle(session: Session, task_id: str, used: int, *, queued: bool = False) -> bool:
     """Correct the charge of a task that ended having used ``used`` tokens (0: it never ran): every end
     of a task calls this once. Once only all the same: the task's charge becomes what it used and its
     span on the clock none (start = finish), so a second settle finds nothing left to give back.
     ``queued``: only while the task is still queued, which it then stays until this transaction ends.
     Locks the task's row before its principal's clock, as every writer of both does (no deadlock)."""
-    row = session.execute(update(Task).where(Task.id == task_id, *([Task.status == QUEUED] if queued else ()))
-                          .values(cost=Task.cost).returning(Task.model, Task.principal_id, Task.cost,
-                                                            Task.virtual_start, Task.virtual_finish)).one_or_none()
-    if row is None:
+    rows = fetch_batch(session, [(_SETTLE[queued], {"task_id": task_id})])[0]
+    if not rows:
         return False
-    back = unused(row.virtual_start, row.virtual_finish, row.cost, min(used, row.cost))
-    if row.virtual_finish > row.virtual_start:
-        session.execute(update(Task).where(Task.id == task_id).values(
-            cost=min(used, row.cost), virtual_start=row.virtual_finish - back, virtual_finish=row.virtual_finish - back))
+    model, principal, cost, start, finish = rows[0]
+    back = unused(start, finish, cost, min(used, cost))
+    steps = []
+    if finish > start:
+        steps.append((_SETTLE_TASK, {"task_id": task_id, "new_cost": min(used, cost), "new_start": finish - back,
+                                     "new_finish": finish - back}))
     if back:
-        session.execute(update(VirtualTime).where(
-            VirtualTime.model == row.model, VirtualTime.principal_id == row.principal_id).values(
-            finish=VirtualTime.finish - back))
+        steps.append((_GIVE_BACK, {"model": model, "principal": principal, "back": back}))
+    if steps:
+        run_batch(session, steps)
     return True
 
 

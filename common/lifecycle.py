@@ -37,6 +37,7 @@ from common.states import (
     SUCCEEDED,
     TASK_OUTCOME,
     R,
+    fenced_moves,
     respond,
     respond_returning,
     transition,
@@ -63,6 +64,10 @@ class Attempt:
     def task_where(self):
         # The worker too: a claim a database crash lost lets another worker claim the same number.
         return Task.id == self.task_id, Task.attempt == self.number, Task.worker_id == self.worker_id
+
+    def fence(self) -> dict:
+        """``task_where`` as the parameters of a compiled statement (states.fenced_moves)."""
+        return {"task_id": self.task_id, "number": self.number, "worker": self.worker_id}
 
     def direct_where(self):
         return Response.id == self.response_id, Response.worker_id == self.worker_id
@@ -410,7 +415,7 @@ def start(session: Session, attempt: Attempt) -> bool:
     """loading -> running at the first token. False when a cancel got there first; Fenced when the
     task is no longer this attempt's."""
     commit_lazily(session)  # the events that follow are committed durably, and this with them
-    if transition(session, attempt.task_id, RUNNING, only_from=[LOADING], where=attempt.task_where()):
+    if fenced_moves(session, attempt.fence(), [(RUNNING, (LOADING,))])[0]:
         return True
     task = _current(session, attempt)
     if task is None or task.status not in LIVE:
@@ -514,10 +519,10 @@ def finish(session: Session, attempt: Attempt, status: R, *, seq: Sequence, emit
     fence = attempt.task_where()
     target = TASK_OUTCOME[status]
     if target == SUCCEEDED:  # a lazily committed start a database crash lost leaves it loading
-        transition(session, attempt.task_id, RUNNING, only_from=[LOADING], where=fence)
-    won = target != CANCELLED and transition(
-        session, attempt.task_id, target, only_from=[RUNNING] if target == SUCCEEDED else [LOADING, RUNNING],
-        where=fence, error=error if target == FAILED else None)
+        won = fenced_moves(session, attempt.fence(), [(RUNNING, (LOADING,)), (SUCCEEDED, (RUNNING,))])[1]
+    else:
+        won = target != CANCELLED and transition(session, attempt.task_id, target, only_from=[LOADING, RUNNING],
+                                                 where=fence, error=error if target == FAILED else None)
     if not won:
         # Cancelled, or a cancel won the race against completion: finish the cancellation.
         transition(session, attempt.task_id, CANCELLING, only_from=[LOADING, RUNNING], where=fence)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
+from common.db import Compiled, run_batch
 from common.tables import TaskAttempt
 
 if TYPE_CHECKING:  # lifecycle builds response objects (common/resources.py), which import this module
@@ -46,14 +47,22 @@ def claimed(session: Session, attempt: Attempt, *, delivered_at: float, claimed_
                                                claimed_at=claimed_at))
 
 
+_RECORDS: dict[tuple, Compiled] = {}
+
+
 def record(session: Session, attempt: Attempt, **points) -> None:
     """Later points of the attempt (``POINTS``), and at its end ``commit_lag``: (batches, total lag,
     max lag) of the events the writer committed for it."""
     if "commit_lag" in points:
         batches, total, worst = points.pop("commit_lag") or (0, 0.0, 0.0)
         points.update(commit_batches=batches, commit_lag_sum=total, commit_lag_max=worst)
-    session.execute(update(TaskAttempt).where(
-        TaskAttempt.task_id == attempt.task_id, TaskAttempt.attempt == attempt.number).values(**points))
+    step = _RECORDS.get(tuple(points))
+    if step is None:  # one statement per set of points, compiled once: every attempt records twice
+        step = _RECORDS[tuple(points)] = Compiled(update(TaskAttempt).where(
+            TaskAttempt.task_id == bindparam("task_id"), TaskAttempt.attempt == bindparam("number")).values(
+            {name: bindparam(f"point_{name}") for name in points}))
+    run_batch(session, [(step, {"task_id": attempt.task_id, "number": attempt.number,
+                                **{f"point_{name}": value for name, value in points.items()}})])
 
 
 # -- reading ------------------------------------------------------------------------------------------
