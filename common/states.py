@@ -3,12 +3,14 @@
 Only ``common.lifecycle`` calls the transition functions (docs/architecture.md, invariant 10).
 """
 
+import json
+from collections import namedtuple
 from enum import StrEnum
 
-from sqlalchemy import bindparam, literal, update
+from sqlalchemy import JSON, bindparam, literal, update
 from sqlalchemy.orm import Session
 
-from common.db import Compiled, db_now, run_batch
+from common.db import Compiled, db_now, fetch_batch, run_batch
 
 
 class TaskState(StrEnum):
@@ -142,13 +144,30 @@ def respond(session: Session, response_id: str, target: str, *, only_from=None, 
     return _won(session, _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, where, values))
 
 
-def respond_returning(session: Session, response_id: str, target: str, *, only_from=None, where=(), columns=(),
-                      **values):
-    """``respond`` that returns the updated row (None if this call did not win), in one round trip;
-    ``columns``: only those (a Core row), not the whole row."""
+_ENDINGS: dict[tuple, tuple] = {}
+
+
+def respond_returning(session: Session, response_id: str, target: str, *, columns: tuple, **values):
+    """``respond`` that returns ``columns`` of the updated row as a named tuple (None if this call did not
+    win), in one round trip; compiled once per shape, run with the driver's cursor: every response's
+    end makes it. A JSON column's value goes as its JSON text, None as JSON null, as the ORM writes it."""
     from common.tables import Response
 
-    stmt = _move(Response, response_id, target, RESPONSE_TRANSITIONS, only_from, where, values)
-    if columns and stmt is not None:
-        return session.execute(stmt.returning(*columns)).one_or_none()
-    return _row(session, Response, stmt)
+    table, key = Response.__table__, (target, tuple(values), tuple(c.key for c in columns))
+    entry = _ENDINGS.get(key)
+    if entry is None:
+        stmt = _move(Response, bindparam("response_id"), target, RESPONSE_TRANSITIONS, None, (),
+                     {name: bindparam(f"value_{name}", type_=table.c[name].type) for name in values})
+        entry = _ENDINGS[key] = (Compiled(stmt.returning(*columns)), namedtuple("Ended", [c.key for c in columns]),
+                                 [i for i, c in enumerate(columns) if isinstance(c.type, JSON)])
+    step, kind, json_at = entry
+    params = {f"value_{name}": json.dumps(value) if isinstance(table.c[name].type, JSON) else value
+              for name, value in values.items()}
+    rows = fetch_batch(session, [(step, {"response_id": response_id, **params})])[0]
+    if not rows:
+        return None
+    row = list(rows[0])
+    if session.get_bind().dialect.name != "postgresql":  # SQLite's JSON is text
+        for i in json_at:
+            row[i] = None if row[i] is None else json.loads(row[i])
+    return kind._make(row)
