@@ -240,7 +240,8 @@ def typed(seq: int | None, name: str, data_json: str) -> str:
     """``data_json`` (an object's JSON text, as logged) with ``type`` (the event name) and
     ``sequence_number`` (its id) first: the OpenAI SDK reads an event's type from its data, and other
     clients ignore members they do not know. Spliced into the text, never parsed: every frame of every
-    follower passes here. Every frame the service sends is built through this function."""
+    follower passes here. Every frame the service sends is built through this function, or (a replay's
+    pages, ``sse_many``) through its body inlined."""
     head = _HEADS[name]
     if seq is None:  # no id, no sequence number
         return head[:-1] + ("}" if data_json == "{}" else "," + data_json[1:])

@@ -53,6 +53,13 @@ class Fenced(Exception):
     """This attempt is no longer the task's current one: another worker owns it now."""
 
 
+# An attempt's fence: its task, still at its number and its worker (the worker too: a claim a database
+# crash lost lets another worker claim the same number). _FENCE is it with parameters (Attempt.fence),
+# for statements compiled once (states.fenced_moves); Attempt.task_where, with the attempt's values.
+_FENCE_BY = {"task_id": Task.id, "number": Task.attempt, "worker": Task.worker_id}
+_FENCE = tuple(column == bindparam(name) for name, column in _FENCE_BY.items())
+
+
 @dataclass(frozen=True)
 class Attempt:
     """A worker's right to write one response: a task's claim, or a direct response it runs."""
@@ -62,11 +69,10 @@ class Attempt:
     worker_id: str
 
     def task_where(self):
-        # The worker too: a claim a database crash lost lets another worker claim the same number.
-        return Task.id == self.task_id, Task.attempt == self.number, Task.worker_id == self.worker_id
+        return tuple(_FENCE_BY[name] == value for name, value in self.fence().items())
 
     def fence(self) -> dict:
-        """``task_where`` as the parameters of a compiled statement (states.fenced_moves)."""
+        """``_FENCE``'s parameters for this attempt."""
         return {"task_id": self.task_id, "number": self.number, "worker": self.worker_id}
 
     def direct_where(self):
@@ -415,7 +421,7 @@ def start(session: Session, attempt: Attempt) -> bool:
     """loading -> running at the first token. False when a cancel got there first; Fenced when the
     task is no longer this attempt's."""
     commit_lazily(session)  # the events that follow are committed durably, and this with them
-    if fenced_moves(session, attempt.fence(), [(RUNNING, (LOADING,))])[0]:
+    if fenced_moves(session, _FENCE, attempt.fence(), [(RUNNING, (LOADING,))])[0]:
         return True
     task = _current(session, attempt)
     if task is None or task.status not in LIVE:
@@ -519,7 +525,8 @@ def finish(session: Session, attempt: Attempt, status: R, *, seq: Sequence, emit
     fence = attempt.task_where()
     target = TASK_OUTCOME[status]
     if target == SUCCEEDED:  # a lazily committed start a database crash lost leaves it loading
-        won = fenced_moves(session, attempt.fence(), [(RUNNING, (LOADING,)), (SUCCEEDED, (RUNNING,))])[1]
+        won = fenced_moves(session, _FENCE, attempt.fence(),
+                           [(RUNNING, (LOADING,)), (SUCCEEDED, (RUNNING,))])[1]
     else:
         won = target != CANCELLED and transition(session, attempt.task_id, target, only_from=[LOADING, RUNNING],
                                                  where=fence, error=error if target == FAILED else None)

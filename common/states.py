@@ -112,21 +112,20 @@ def transition(session: Session, task_id: str, target: str, *, only_from=None, w
 _FENCED: dict[tuple, Compiled] = {}
 
 
-def fenced_moves(session: Session, fence: dict, moves: list[tuple[str, tuple[str, ...]]]) -> list[bool]:
-    """Moves of one attempt's task, each (target, only_from) with no other value, in order and in one
-    round trip, each conditional on the attempt (``fence``: task_id, number, worker) still being
-    current; whether each won. Compiled once: every task that starts and succeeds makes these, and
-    the ORM's UPDATE cost more than the database does."""
+def fenced_moves(session: Session, fence: tuple, params: dict, moves: list[tuple[str, tuple[str, ...]]]) -> list[bool]:
+    """Moves of one task, each (target, only_from) with no other value, in order and in one round trip,
+    each also conditional on ``fence`` (SQL with parameters ``task_id`` and the rest of ``params``: an
+    attempt still current, lifecycle._FENCE); whether each won. Compiled once per move and fence: every
+    task that starts and succeeds makes these, and the ORM's UPDATE cost more than the database does."""
     from common.tables import Task
 
     steps = []
     for target, only_from in moves:
-        step = _FENCED.get((target, only_from))
+        step = _FENCED.get((target, only_from, fence))
         if step is None:
-            step = _FENCED[target, only_from] = Compiled(_move(
-                Task, bindparam("task_id"), target, TRANSITIONS, only_from,
-                (Task.attempt == bindparam("number"), Task.worker_id == bindparam("worker")), {}))
-        steps.append((step, fence))
+            step = _FENCED[target, only_from, fence] = Compiled(_move(
+                Task, bindparam("task_id"), target, TRANSITIONS, only_from, fence, {}))
+        steps.append((step, params))
     return [count == 1 for count in run_batch(session, steps)]
 
 
