@@ -12,6 +12,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from psycopg import ClientCursor
+from psycopg.pq import ExecStatus
 from sqlalchemy import Float, create_engine, event, text
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import (
@@ -200,7 +201,10 @@ def fetch_on(conn: Connection, steps: list[tuple[Compiled, dict]]) -> list[list]
 
 
 def _rows(cursor) -> list:
-    return cursor.fetchall() if cursor.description else []
+    # psycopg's ``description`` builds a Python object per column; libpq's result status says as much.
+    result = getattr(cursor, "pgresult", None)
+    returned = cursor.description if result is None else result.status == ExecStatus.TUPLES_OK
+    return cursor.fetchall() if returned else []
 
 
 def _batch(session: Session, steps: list[tuple[Compiled, dict]], commit: bool, result) -> list:

@@ -271,6 +271,12 @@ _OWN = Compiled(update(Task).where(
 _RESPONSE_OF = Compiled(select(*Response.__table__.c).where(Response.id == bindparam("response_id")))
 
 
+def read_response(conn: Connection, response_id: str) -> ResponseRow | None:
+    """A response's whole row, read with the driver's cursor on a Core connection (one round trip)."""
+    rows = fetch_on(conn, [(_RESPONSE_OF, {"response_id": response_id})])[0]
+    return _row(ResponseRow, rows, conn.dialect.name == "postgresql")
+
+
 def _claim_queued_sql(timed: bool) -> Compiled:
     """Postgres: the queue's claim as one statement (queued -> loading, attempt + 1, on the head of
     ix_tasks_fair skipping rows another claim holds; fairshare.advance; timeline.claimed's row with

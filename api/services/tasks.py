@@ -17,6 +17,7 @@ from api.services import idempotency, tickets
 from api.services.validation import prepare
 from api.services.work import queue_task_once, send_task
 from common import lifecycle, timeline, wire
+from common.db import Compiled, fetch_on
 from common.errors import LMSPError
 from common.ids import is_id
 from common.resources import task_object
@@ -65,31 +66,32 @@ def poll(svc: Services, principal: str, task_id: str, wait: float, given: ETags,
 
 
 # The read a long poll repeats (its first look and each recheck): the task and its attempts joined, one
-# statement on an autocommit connection (svc.reads), rows as the driver gives them: one round trip, no
-# session's BEGIN and ROLLBACK, no ORM objects. A succeeded task's response is read once more.
+# statement compiled once, read with the driver's cursor on an autocommit connection (svc.reads): one
+# round trip, no session's BEGIN and ROLLBACK, no ORM objects, no SQLAlchemy result per read. A
+# succeeded task's response is read once more.
 _READ_TASK = (Task.id, Task.type, Task.model, Task.status, Task.on_restart, Task.error, Task.created_at,
               Task.updated_at, Task.ended_at, Task.response_id)
 _READ_ATTEMPT = tuple(TaskAttempt.__table__.columns)
-_READ = (select(*_READ_TASK, *(c.label(f"attempt_{c.key}") for c in _READ_ATTEMPT))
-         .outerjoin(TaskAttempt, TaskAttempt.task_id == Task.id)
-         .where(Task.id == bindparam("task_id"), Task.principal_id == bindparam("principal"))
-         .order_by(TaskAttempt.attempt))
-_READ_RESPONSE = select(Response.__table__).where(Response.id == bindparam("response_id"))
+_READ = Compiled(select(*_READ_TASK, *(c.label(f"attempt_{c.key}") for c in _READ_ATTEMPT))
+                 .outerjoin(TaskAttempt, TaskAttempt.task_id == Task.id)
+                 .where(Task.id == bindparam("task_id"), Task.principal_id == bindparam("principal"))
+                 .order_by(TaskAttempt.attempt))
 TaskRow = namedtuple("TaskRow", [c.key for c in _READ_TASK])
 AttemptRow = namedtuple("AttemptRow", [c.key for c in _READ_ATTEMPT])
 
 
 def read(svc: Services, principal: str, task_id: str) -> wire.TaskObject:
     with svc.reads.connect() as conn:
-        rows = conn.execute(_READ, {"task_id": task_id, "principal": principal}).all() \
+        rows = fetch_on(conn, [(_READ, {"task_id": task_id, "principal": principal})])[0] \
             if is_id("task", task_id) else []
         if not rows:
             raise lifecycle.no_task(task_id)
         width = len(_READ_TASK)
         task = TaskRow._make(rows[0][:width])
+        if isinstance(task.error, str):  # SQLite's JSON is text
+            task = task._replace(error=json.loads(task.error))
         attempts = [AttemptRow._make(row[width:]) for row in rows if row[width] is not None]
-        response = conn.execute(_READ_RESPONSE, {"response_id": task.response_id}).one_or_none() \
-            if task.status == SUCCEEDED else None
+        response = lifecycle.read_response(conn, task.response_id) if task.status == SUCCEEDED else None
     return _task(task, response, svc.registry, attempts)
 
 
