@@ -12,6 +12,7 @@ from tests.bench import ONLY, REPS, enabled, fairness, select, slowlink
 from tests.bench import models as models_bench
 from tests.bench.util import (
     Freezer,
+    ThreadMeter,
     affinity,
     descendants,
     engine_compute_cpus,
@@ -508,8 +509,10 @@ def vllm_figures(run, table: Table, sides: Sides, checkpoint: str, resolved) -> 
                         got[side].append(server.batch(texts, B1_TOKENS))
                     else:
                         cpu = cpu_meter(service_cpu(run))
+                        threads = ThreadMeter(run.worker_proc.pid).start()
                         fn = svc.tasks_round if side == "tasks" else svc.responses_round
                         got[side].append(fn(run, texts, B1_TOKENS))
+                        got[side][-1]["worker_threads_s"] = threads.stop()
                     got[side][-1]["cpu_s"] = cpu_used(cpu)
                     log(f"V rep {rep + 1}/{REPS} {side}: {got[side][-1]['tokens_per_s']:.1f} tok/s "
                         f"(CPU s {got[side][-1]['cpu_s']})")
@@ -550,6 +553,11 @@ def cpu_figure(table: Table, got: dict) -> None:
     for side, reps in got.items():
         ms = {g: 1000 * median([r["cpu_s"][g] / r["tokens"] for r in reps]) for g in reps[0]["cpu_s"]} if reps else {}
         table.note(f"V1c {side} CPU-ms per output token by process: " + ", ".join(f"{g} {v:.3f}" for g, v in ms.items()))
+        if reps and "worker_threads_s" in reps[0]:  # where the worker's own share goes
+            names = {n for r in reps for n in r["worker_threads_s"]}
+            by = {n: 1000 * median([r["worker_threads_s"].get(n, 0.0) / r["tokens"] for r in reps]) for n in names}
+            table.note(f"V1c {side} worker main process by thread, CPU-ms per output token: " + ", ".join(
+                f"{n} {v:.3f}" for n, v in sorted(by.items(), key=lambda kv: -kv[1]) if v >= 0.001))
 
 
 def ttft_figure(run, table: Table, server, sides: Sides) -> None:

@@ -1,6 +1,7 @@
 """The benchmark's own judgement (tests/bench): a figure can fail, and nothing is hidden."""
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 
 from tests.bench.__main__ import blocks_of, checked, rotated
 from tests.bench.service import loaded
-from tests.bench.util import Freezer, tree
+from tests.bench.util import Freezer, ThreadMeter, tree
 from tests.bench.verdict import FAIL, NA, PASS, Table, guarded, output_mismatch, reason_of
 
 SAME = {"texts": ["a cat", "a dog"], "tokens": 6}
@@ -164,3 +165,30 @@ def test_the_fleet_sizes_a_cluster_from_its_reports_costs_and_a_followers_cost_f
     table = Table()
     goals(table, [_fleet_step()], None, None, True, cheap)
     assert next(r for r in table.rows if r["id"] == "F3")["status"] == "PASS"
+
+
+BUSY = """import threading, time
+def spin():
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        pass
+pool = [threading.Thread(target=spin, name=f"ThreadPoolExecutor-3_{i}") for i in range(2)]
+threading.Thread(target=spin, name="lmsp-busy").start()
+[t.start() for t in pool]
+time.sleep(30)
+"""
+
+
+def test_a_threads_cpu_goes_to_its_name_and_a_pools_threads_count_as_one():
+    proc = subprocess.Popen([sys.executable, "-c", BUSY])
+    try:
+        time.sleep(0.3)
+        meter = ThreadMeter(proc.pid).start()
+        time.sleep(1.0)
+        used = meter.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    # Three spinning threads share this machine's cores: each had some of them, the sleeper none.
+    assert set(used) == {"lmsp-busy", "ThreadPoolExecutor", "MainThread"}, used
+    assert used["lmsp-busy"] > 0.1 and used["ThreadPoolExecutor"] > 0.1 and used["MainThread"] < 0.05, used
