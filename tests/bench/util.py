@@ -282,7 +282,7 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
 class ThreadMeter:
     """CPU seconds of one process's threads between start() and stop(), by Python thread name: which part
     of the process the CPU went to. py-spy's dump at stop names the threads; a pool's numbered threads
-    (ThreadPoolExecutor-5_12) count as one; a thread that ended meanwhile is lost (the process's own
+    (ThreadPoolExecutor-5_12, lmsp-interactive_7) count as one; a thread that ended meanwhile is lost (the process's own
     figure has it)."""
 
     def __init__(self, pid: int):
@@ -318,7 +318,7 @@ class ThreadMeter:
             threads = json.loads(dump or "[]")
         except (OSError, subprocess.TimeoutExpired, ValueError):
             return {}
-        return {t["os_thread_id"]: re.sub(r"-\d+(_\d+)?$", "", t.get("thread_name") or "unnamed")
+        return {t["os_thread_id"]: re.sub(r"(-\d+)?(_\d+)?$", "", t.get("thread_name") or "unnamed")
                 for t in threads if t.get("os_thread_id")}
 
 
