@@ -42,6 +42,7 @@ Figures (see ``__main__`` for the order they run in):
   the service / vLLM's server: the service's api (gunicorn master and workers), worker, engine
   processes, and its Postgres and Redis servers whole (background processes too: an upper bound);
   vLLM's api server and its children; the bench's clients on neither side. V2's the same, a note.
+  Noted beside it: the worker main process's CPU by thread (its engine loop, event writer, task threads).
 
 Every figure is PASS, FAIL or n/a (n/a only where this machine lacks what the figure needs);
 ratios are the median of at least 5 interleaved reps, shown with their min-max; a side whose
