@@ -75,8 +75,9 @@ def test_time_to_first_token_decode_rate_and_batch_capacity():
             assert 0.2 <= first - start < 2.0
             assert 0.2 + 24 / 50 <= last - start  # 50 tokens/s per stream, after the first
             assert last - first < 24 / 50 + 0.5
-        # The third had no slot until one of the first two ended, then its own time to first token.
-        assert stamps["r2"][1] >= min(stamps["r0"][-1], stamps["r1"][-1]) + 0.2
+        # The third had no slot until one of the first two ended (at the earliest, 0.2 + 24/50 after its
+        # start), then its own time to first token; with a slot at once it would have had it at 0.26 s.
+        assert stamps["r2"][1] >= min(stamps["r0"][0], stamps["r1"][0]) + 0.2 + 24 / 50 + 0.2
     finally:
         host.shutdown()
 
