@@ -1,5 +1,6 @@
 """Database engine, sessions and migrations (Alembic, run from code)."""
 
+import json
 import re
 import select
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from psycopg import ClientCursor
 from psycopg.pq import ExecStatus
-from sqlalchemy import Float, create_engine, event, text
+from sqlalchemy import JSON, Float, create_engine, event, text
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import (
     ArgumentError,
@@ -205,6 +206,21 @@ def _rows(cursor) -> list:
     result = getattr(cursor, "pgresult", None)
     returned = cursor.description if result is None else result.status == ExecStatus.TUPLES_OK
     return cursor.fetchall() if returned else []
+
+
+def json_at(columns) -> tuple[int, ...]:
+    """The places of ``columns``' JSON columns in a row of them, for ``driver_row``."""
+    return tuple(i for i, c in enumerate(columns) if isinstance(c.type, JSON))
+
+
+def driver_row(kind, row, json_places: tuple[int, ...], pg: bool):
+    """A row as the driver's cursor gives it (``fetch_on``, ``fetch_batch``), as the named tuple ``kind``:
+    Postgres's JSON comes decoded, SQLite's as text (decoded here, at ``json_places``)."""
+    if not pg:
+        row = list(row)
+        for i in json_places:
+            row[i] = None if row[i] is None else json.loads(row[i])
+    return kind._make(row)
 
 
 def _batch(session: Session, steps: list[tuple[Compiled, dict]], commit: bool, result) -> list:

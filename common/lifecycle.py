@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from common import eventlog, events, fairshare, liveness, timeline
-from common.db import Compiled, commit_lazily, db_now, fetch_batch, fetch_on, run_batch
+from common.db import Compiled, commit_lazily, db_now, driver_row, fetch_batch, fetch_on, json_at, run_batch
 from common.errors import LMSPError, problem
 from common.events import Event, Sequence
 from common.ids import is_id, new_id
@@ -245,19 +245,12 @@ def _task_final(session: Session, task: Task, status: R, **kw) -> Publish:
 # writes them: the ORM's identity map and row objects cost more than the database does on this path.
 TaskRow = namedtuple("TaskRow", Task.__table__.columns.keys())
 ResponseRow = namedtuple("ResponseRow", Response.__table__.columns.keys())
-_JSON_AT = {kind: [i for i, c in enumerate(table.columns) if isinstance(c.type, JSON)]
-            for kind, table in ((TaskRow, Task.__table__), (ResponseRow, Response.__table__))}
+_JSON_AT = {TaskRow: json_at(Task.__table__.columns), ResponseRow: json_at(Response.__table__.columns)}
 
 
 def _row(kind, rows: list, pg: bool):
-    """The first of ``rows`` (driver tuples of a whole table row) as ``kind``; SQLite's JSON is text."""
-    if not rows:
-        return None
-    row = list(rows[0])
-    if not pg:
-        for i in _JSON_AT[kind]:
-            row[i] = None if row[i] is None else json.loads(row[i])
-    return kind._make(row)
+    """The first of ``rows`` (driver tuples of a whole table row) as ``kind``."""
+    return driver_row(kind, rows[0], _JSON_AT[kind], pg) if rows else None
 
 
 _SYNC_OFF = Compiled(text("SET LOCAL synchronous_commit = off"))  # commit_lazily's, in the claim's round trip

@@ -10,7 +10,7 @@ from enum import StrEnum
 from sqlalchemy import JSON, bindparam, literal, update
 from sqlalchemy.orm import Session
 
-from common.db import Compiled, db_now, fetch_batch, run_batch
+from common.db import Compiled, db_now, driver_row, fetch_batch, json_at, run_batch
 
 
 class TaskState(StrEnum):
@@ -158,15 +158,9 @@ def respond_returning(session: Session, response_id: str, target: str, *, column
         stmt = _move(Response, bindparam("response_id"), target, RESPONSE_TRANSITIONS, None, (),
                      {name: bindparam(f"value_{name}", type_=table.c[name].type) for name in values})
         entry = _ENDINGS[key] = (Compiled(stmt.returning(*columns)), namedtuple("Ended", [c.key for c in columns]),
-                                 [i for i, c in enumerate(columns) if isinstance(c.type, JSON)])
-    step, kind, json_at = entry
+                                 json_at(columns))
+    step, kind, json_places = entry
     params = {f"value_{name}": json.dumps(value) if isinstance(table.c[name].type, JSON) else value
               for name, value in values.items()}
     rows = fetch_batch(session, [(step, {"response_id": response_id, **params})])[0]
-    if not rows:
-        return None
-    row = list(rows[0])
-    if session.get_bind().dialect.name != "postgresql":  # SQLite's JSON is text
-        for i in json_at:
-            row[i] = None if row[i] is None else json.loads(row[i])
-    return kind._make(row)
+    return driver_row(kind, rows[0], json_places, session.get_bind().dialect.name == "postgresql") if rows else None

@@ -17,7 +17,7 @@ from api.services import idempotency, tickets
 from api.services.validation import prepare
 from api.services.work import queue_task_once, send_task
 from common import lifecycle, timeline, wire
-from common.db import Compiled, fetch_on
+from common.db import Compiled, driver_row, fetch_on, json_at
 from common.errors import LMSPError
 from common.ids import is_id
 from common.resources import task_object
@@ -77,6 +77,7 @@ _READ = Compiled(select(*_READ_TASK, *(c.label(f"attempt_{c.key}") for c in _REA
                  .where(Task.id == bindparam("task_id"), Task.principal_id == bindparam("principal"))
                  .order_by(TaskAttempt.attempt))
 TaskRow = namedtuple("TaskRow", [c.key for c in _READ_TASK])
+_TASK_JSON = json_at(_READ_TASK)
 AttemptRow = namedtuple("AttemptRow", [c.key for c in _READ_ATTEMPT])
 
 
@@ -87,9 +88,7 @@ def read(svc: Services, principal: str, task_id: str) -> wire.TaskObject:
         if not rows:
             raise lifecycle.no_task(task_id)
         width = len(_READ_TASK)
-        task = TaskRow._make(rows[0][:width])
-        if isinstance(task.error, str):  # SQLite's JSON is text
-            task = task._replace(error=json.loads(task.error))
+        task = driver_row(TaskRow, rows[0][:width], _TASK_JSON, conn.dialect.name == "postgresql")
         attempts = [AttemptRow._make(row[width:]) for row in rows if row[width] is not None]
         response = lifecycle.read_response(conn, task.response_id) if task.status == SUCCEEDED else None
     return _task(task, response, svc.registry, attempts)
