@@ -30,7 +30,7 @@ from common import eventlog, events
 from common.bus import Publisher
 from common.db import make_engine, session_factory, upgrade
 from tests import factories
-from tests.bench.util import _TIMESPEC, _TIMESPEC_SPACE, SO_TIMESTAMPNS, children
+from tests.bench.util import _TIMESPEC, _TIMESPEC_SPACE, SO_TIMESTAMPNS, children, cpu_seconds
 from tests.harness import REDIS_URL, Stack, create_database, drop_database, model_entry
 
 SEQ = re.compile(rb"id: (\d+)\n|\"id\":(\d+),\"event\"")
@@ -39,11 +39,6 @@ SEQ = re.compile(rb"id: (\d+)\n|\"id\":(\d+),\"event\"")
 def percentile(values, p):
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * p / 100))] if values else None
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:

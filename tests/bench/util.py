@@ -282,8 +282,8 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
 class ThreadMeter:
     """CPU seconds of one process's threads between start() and stop(), by Python thread name: which part
     of the process the CPU went to. py-spy's dump at stop names the threads; a pool's numbered threads
-    (ThreadPoolExecutor-5_12, lmsp-interactive_7) count as one; a thread that ended meanwhile is lost (the process's own
-    figure has it)."""
+    (ThreadPoolExecutor-5_12, lmsp-interactive_7) count as one; a thread that ended meanwhile is lost
+    (the process's own figure has it)."""
 
     def __init__(self, pid: int):
         self.pid = pid
