@@ -477,7 +477,9 @@ logged AS (
 SELECT key FROM kept"""
 
 
-def _append_pg(session: Session, batches: dict[Attempt, list[Event]]) -> set[Attempt]:
+def append_on(conn: Connection, batches: dict[Attempt, list[Event]]) -> set[Attempt]:
+    """``append`` on Postgres, on a Core connection: on one of ``db.autocommit``'s (the writer's), the
+    statement is a transaction of its own, without a session's BEGIN and COMMIT round trips."""
     attempts = list(batches)
     keys, rids, seqs, names, datas = [], [], [], [], []
     for key, attempt in enumerate(attempts, 1):
@@ -488,7 +490,7 @@ def _append_pg(session: Session, batches: dict[Attempt, list[Event]]) -> set[Att
             seqs.append(seq)
             names.append(name)
             datas.append(data)
-    kept = {row[0] for row in session.connection().exec_driver_sql(_APPEND_PG, {
+    kept = {row[0] for row in conn.exec_driver_sql(_APPEND_PG, {
         "task_ids": [a.task_id for a in attempts], "numbers": [a.number for a in attempts],
         "rids": [a.response_id for a in attempts], "workers": [a.worker_id for a in attempts],
         "now": time.time(), "keys": keys, "event_rids": rids, "seqs": seqs, "names": names, "datas": datas})}
@@ -498,7 +500,7 @@ def _append_pg(session: Session, batches: dict[Attempt, list[Event]]) -> set[Att
 def append(session: Session, batches: dict[Attempt, list[Event]]) -> set[Attempt]:
     """Log the batches of every attempt still current; return the attempts refused."""
     if session.get_bind().dialect.name == "postgresql":
-        return _append_pg(session, batches)
+        return append_on(session.connection(), batches)
     refused = fenced_out(session, list(batches))
     for attempt, batch in batches.items():
         if attempt not in refused:

@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from common import lifecycle
 from common.bus import Publisher
-from common.db import transact_retrying
+from common.db import autocommit, retrying, transact_retrying
 from common.errors import problem
 from common.events import Event
 from common.lifecycle import Attempt
@@ -37,6 +37,9 @@ class EventWriter:
         """``on_lost(attempt, write_error)``: the attempt's events were refused (write_error None: it was
         fenced; else the problem it fails with)."""
         self.sessions = sessions
+        engine = sessions.kw["bind"]
+        # On Postgres a group commit is one statement, run as its own transaction (lifecycle.append_on).
+        self._log = autocommit(engine) if engine.dialect.name == "postgresql" else None
         self.publisher = publisher
         self.on_lost = on_lost
         self.stop_event = stop
@@ -160,7 +163,7 @@ class EventWriter:
     def _commit(self, grouped: dict[Attempt, list[Event]]) -> list[Attempt]:
         """Log what is still fenced in; return the attempts whose batches were committed."""
         try:
-            refused = self._retrying(lambda session: lifecycle.append(session, grouped))
+            refused = self._append(grouped)
         except SQLAlchemyError:
             # One batch the database refuses must not stop the others: commit each on its own.
             return [a for a, batch in grouped.items() if self._commit_one(a, batch)]
@@ -170,7 +173,7 @@ class EventWriter:
 
     def _commit_one(self, attempt: Attempt, batch: list[Event]) -> bool:
         try:
-            if self._retrying(lambda session: lifecycle.append(session, {attempt: batch})):
+            if self._append({attempt: batch}):
                 self._lose(attempt, None)
                 return False
             return True
@@ -188,6 +191,15 @@ class EventWriter:
         with self._cond:
             self._refused.add(attempt)
         self.on_lost(attempt, write_error)
+
+    def _append(self, grouped: dict[Attempt, list[Event]]) -> set[Attempt]:
+        if self._log is None:
+            return self._retrying(lambda session: lifecycle.append(session, grouped))
+
+        def once():
+            with self._log.connect() as conn:
+                return lifecycle.append_on(conn, grouped)
+        return retrying(once, seconds=float("inf"), log=log, stop=self.stop_event)
 
     def _retrying(self, fn):
         # Postgres restarting: keep the events and try again, never drop them.
