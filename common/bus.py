@@ -11,6 +11,7 @@ from common.events import REASONING_DELTA, TEXT_DELTA
 
 CHANNEL = "lmsp:events:"   # + response id: the batches of events a writer committed
 CONTROL = "lmsp:control"   # response ids whose generation workers should abort
+FOLLOWED = "lmsp:followed"  # response ids a follower just began to follow live: pace their windows for it
 REVOKED = "lmsp:revoked"   # token ids just revoked: every api process drops them from its cache
 HUB = "lmsp:hub"           # never published to: keeps an idle subscriber connection in subscribed mode
 
@@ -60,39 +61,49 @@ class Publisher:
         return self.client is not None
 
     def publish(self, response_id: str, batch: list[tuple[int, str, str]]) -> bool:
-        return self.publish_many({response_id: batch})
+        return self.publish_many({response_id: batch}) is not None
 
-    def publish_many(self, batches: dict[str, list[tuple[int, str, str]]]) -> bool:
-        """One round trip for every response's batch of a commit cycle; False when Redis is away."""
+    def publish_many(self, batches: dict[str, list[tuple[int, str, str]]]) -> dict[str, int] | None:
+        """One round trip for every response's batch of a commit cycle. Returns how many subscribers
+        (api processes with live followers of it) each response's batch reached; None when Redis is away."""
         if self.client is None:
-            return False
-        commands = []
+            return None
+        commands, events_at = [], {}
         for response_id, batch in batches.items():
             if batch:
+                events_at[response_id] = len(commands)
                 commands.append(("PUBLISH", channel(response_id), encode(batch)))
                 notice = next((e for e in reversed(batch) if e[1] not in TEXT_ONLY), None)
                 if notice is not None:
                     commands.append(("PUBLISH", channel(notices(response_id)),
                                      encode([(notice[0], notice[1], "{}")])))
         if not commands:
-            return True
+            return {}
         # redis-py's connection, not its pipeline: the pipeline's per-command bookkeeping was a third of
         # a commit cycle's publish (460 -> 310 µs for 62 responses); what goes on the wire is the same.
         pool = self.client.connection_pool
         try:
             conn = pool.get_connection()
         except redis.RedisError:
-            return False
+            return None
         try:
             conn.send_packed_command(conn.pack_commands(commands))
-            for _ in commands:
-                conn.read_response()
-            return True
+            replies = [conn.read_response() for _ in commands]
         except redis.RedisError:
             conn.disconnect()  # replies may be left unread: never hand the socket on
-            return False  # followers fall back to the log; Redis is expendable
+            return None  # followers fall back to the log; Redis is expendable
         finally:
             pool.release(conn)
+        return {response_id: replies[at] for response_id, at in events_at.items()}
+
+    def followed(self, response_id: str) -> None:
+        """The api's hint to the worker of ``response_id``: a follower now reads it live (``FOLLOWED``)."""
+        if self.client is None:
+            return
+        try:
+            self.client.publish(FOLLOWED, response_id)
+        except redis.RedisError:
+            pass  # its worker learns of the follower at its next publish
 
     def abort(self, response_id: str) -> None:
         """A hint to workers to stop generating ``response_id``; they also poll the database."""
@@ -119,6 +130,6 @@ def announce_revoked(redis_url: str, token_id: str) -> bool:
         client.close()
 
 
-def aborted(payload: str | bytes) -> str:
-    """The response id of a ``CONTROL`` message (the inverse of ``Publisher.abort``)."""
+def hinted(payload: str | bytes) -> str:
+    """The response id of a ``CONTROL`` or ``FOLLOWED`` message (``Publisher.abort``, ``Publisher.followed``)."""
     return payload.decode() if isinstance(payload, bytes) else payload

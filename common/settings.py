@@ -67,6 +67,7 @@ class Settings(BaseSettings):
     delta_window_ms: float = 20.0     # coalesce token deltas over this window ...
     task_delta_window_ms: float = 200.0  # ... this one for tasks and non-streamed responses (read by polls)
     delta_max_tokens: Count = 16      # ... or this many tokens, whichever first
+    task_quiet_window_ms: float = 1000.0  # a task's window while nobody follows it live (its cap grows as much)
     sse_heartbeat_seconds: Interval = 0.5
     poll_interval_seconds: Interval = 0.05  # how often followers re-read the log without Redis
     max_task_wait_seconds: int = 30      # cap of GET /tasks/{id}?wait=N (long poll)

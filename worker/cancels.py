@@ -7,7 +7,7 @@ import time
 import redis
 from sqlalchemy import select, union_all
 
-from common.bus import CONTROL, aborted
+from common.bus import CONTROL, FOLLOWED, hinted
 from common.states import CANCELLING
 from common.tables import Response, Task
 from worker.context import WorkerContext
@@ -38,7 +38,9 @@ class CancelWatch(Loop):
 
 
 class ControlListener(Step):
-    """Redis hint from the api: abort this response now (the watch catches it anyway). Without Redis, none."""
+    """Redis hints from the api: abort this response now (the watch catches it anyway); a follower reads
+    this response live now (its windows shorten at once; its next publish would tell as much). Without
+    Redis, none."""
 
     def start(self, ctx: WorkerContext) -> None:
         self.halt = threading.Event()
@@ -52,12 +54,15 @@ class ControlListener(Step):
         while not self.halt.is_set():
             try:
                 pubsub = ctx.publisher.client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(CONTROL)
+                pubsub.subscribe(CONTROL, FOLLOWED)
                 ctx.hints_live.set()
                 while not self.halt.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message and message["type"] == "message":
-                        ctx.cancel(aborted(message["data"]))
+                        if message["channel"] == FOLLOWED.encode():
+                            ctx.heard({hinted(message["data"]): 1})
+                        else:
+                            ctx.cancel(hinted(message["data"]))
             except (redis.RedisError, OSError):
                 ctx.hints_live.clear()  # hints sent from now until resubscribed are lost: poll often
                 self.halt.wait(1)

@@ -29,6 +29,7 @@ class Inflight:
     cancelled: bool = False
     fenced: bool = False            # another worker owns the task now: write nothing more
     write_error: dict | None = None  # an event of it could not be logged: it fails alone
+    deltas: object | None = None    # its engine stream (worker.gate.Deltas), told of its live audience
 
 
 @dataclass
@@ -151,6 +152,14 @@ class WorkerContext:
 
     def cancel(self, response_id: str) -> None:
         self._stop(response_id, cancelled=True)
+
+    def heard(self, audience: dict[str, int]) -> None:
+        """How many live followers each response's last publish reached (a follower's hint: 1): its
+        stream paces its windows by it (worker.gate.Deltas.audience)."""
+        for response_id, listeners in audience.items():
+            entry = self.attempts.get(response_id)
+            if entry is not None and entry.deltas is not None:
+                entry.deltas.audience(listeners)
 
     def lose(self, attempt: Attempt, write_error: dict | None = None) -> None:
         """The attempt can no longer write (fenced, or its events were refused): stop generating."""

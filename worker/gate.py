@@ -70,12 +70,22 @@ class Deltas:
 
     Once the consumer hands the middle over (``hand_over``), no thread is woken for them at all: the
     loop thread gives each window's Delta to the consumer's handler itself, and the consumer waits
-    only for the end."""
+    only for the end.
 
-    def __init__(self, window: float = 0.0, max_tokens: int = 1 << 30, loop: asyncio.AbstractEventLoop | None = None):
+    With a ``quiet`` window, the windows are that long while nobody follows the stream live
+    (``audience``): its events then only go to the log and to polls, and a window's cost (its events,
+    row, publish and commit share) is paid for several times the tokens. The first follower brings
+    the short window back at once, its pending tokens delivered now."""
+
+    def __init__(self, window: float = 0.0, max_tokens: int = 1 << 30, loop: asyncio.AbstractEventLoop | None = None,
+                 quiet: float | None = None):
         """``loop``: the loop thread's, where a window a handler takes that no later Delta closes ends by
-        a timer (its clock is ``time.monotonic``)."""
+        a timer (its clock is ``time.monotonic``). ``quiet``: the window while unfollowed (its token cap
+        grows by as much); None: the stream is always paced as followed."""
         self.window, self.max_tokens, self._loop = window, max_tokens, loop
+        self._quiet = None if quiet is None or quiet <= window else \
+            (quiet, max(max_tokens, int(max_tokens * quiet / window)) if window else max_tokens)
+        self.followed = self._quiet is None  # until a publish says otherwise (``audience``)
         self._cond = threading.Condition(threading.Lock())
         self._items: list[Delta | BaseException] = []
         self._tokens = 0
@@ -93,6 +103,25 @@ class Deltas:
             self._handler = handler
             if self._items:  # put before this: their window needs its timer
                 self._loop.call_soon_threadsafe(self._arm)
+
+    def audience(self, listeners: int) -> None:
+        """(Any thread.) How many live followers the stream's last publish reached (or a follower's
+        hint, 1): none makes the windows after this one quiet; some end the current window now."""
+        followed = listeners > 0
+        if self._quiet is None or followed == self.followed:
+            return
+        self.followed = followed
+        if followed and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._now_followed)
+
+    def _now_followed(self) -> None:
+        """(Loop thread.) A follower came: its window is now (what is pending goes at once)."""
+        with self._cond:
+            self._wake_at = 0.0
+            if self._handler is not None:
+                self._arm_locked()
+            else:
+                self._cond.notify()  # the consumer's wait for this window ends
 
     def put(self, item: Delta | BaseException) -> None:
         """(Loop thread.)"""
@@ -121,14 +150,16 @@ class Deltas:
             self._timer = self._loop.call_at(self._wake_at, self._window_ended)
 
     def _due(self, item) -> bool:
-        return (not isinstance(item, Delta) or item.finish_reason is not None or self._tokens >= self.max_tokens
+        cap = self.max_tokens if self.followed else self._quiet[1]
+        return (not isinstance(item, Delta) or item.finish_reason is not None or self._tokens >= cap
                 or time.monotonic() >= self._wake_at)
 
     def _next_window(self) -> None:
         # Windows end on one clock for every stream: the writer's next commit then carries every
         # stream's window at once, as when the engine's step woke them all (windows of each stream's
         # own phase arrive one by one, a commit and a publish each).
-        self._wake_at = (time.monotonic() // self.window + 1) * self.window if self.window else 0.0
+        window = self.window if self.followed else self._quiet[0]
+        self._wake_at = (time.monotonic() // window + 1) * window if window else 0.0
         self._tokens = 0
 
     def _window_ended(self) -> None:
@@ -261,12 +292,15 @@ class GatedHost:
 
     # -- the interface the worker uses -----------------------------------------------------------
     def generate(self, request_id: str, prompt: str | list[int], params: GenParams, window: float = 0.0,
-                 max_tokens: int = 1 << 30, on_delta=None) -> Iterator[Delta]:
+                 max_tokens: int = 1 << 30, on_delta=None, quiet: float | None = None, opened=None) -> Iterator[Delta]:
         """Stream one request's output, merged over ``window`` seconds (or ``max_tokens``) after the first
         Delta; it is submitted on the first next(). ``on_delta``: once the first Delta is taken, the
         ones before the last go to ``on_delta(delta)`` on the loop thread instead (``Deltas.hand_over``),
-        and the stream ends early when it returns False."""
-        out = Deltas(window, max_tokens, self._loop)
+        and the stream ends early when it returns False. ``quiet``: the window while nobody follows it
+        (``Deltas``); ``opened(deltas)`` is given the stream's ``Deltas`` (to tell it of its audience)."""
+        out = Deltas(window, max_tokens, self._loop, quiet)
+        if opened is not None:
+            opened(out)
         future = asyncio.run_coroutine_threadsafe(self._run(request_id, prompt, params, out), self._loop)
         try:
             while True:

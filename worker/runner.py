@@ -176,8 +176,12 @@ class Job:
         # A logged stream's windows after its first are taken on the engine's loop thread (``on_delta``),
         # so no thread is woken for them; a streamed response's go on here (its publish waits for Redis).
         take = partial(self._take, builder)
+        handed = self.logged and not streamed
+        # Unfollowed, a task's windows are quiet (gate.Deltas): the writer tells them of its audience.
+        quiet = settings.task_quiet_window_ms / 1000 if handed else None
         for delta in self.engine.generate(entry.request_id, prompt, params, window, settings.delta_max_tokens,
-                                          on_delta=take if self.logged and not streamed else None):
+                                          on_delta=take if handed else None, quiet=quiet,
+                                          opened=partial(setattr, entry, "deltas")):
             if not self.started:
                 self.started, self.first_token_at = True, time.monotonic()
                 marks = {"submitted_at": submitted_at, "admitted_at": delta.admitted_at,

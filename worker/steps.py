@@ -116,7 +116,7 @@ class Writer(Step):
     events."""
 
     def start(self, ctx: WorkerContext) -> None:
-        ctx.writer = EventWriter(ctx.sessions, ctx.publisher, ctx.lose, ctx.stopping)
+        ctx.writer = EventWriter(ctx.sessions, ctx.publisher, ctx.lose, ctx.stopping, heard=ctx.heard)
 
     def stop(self, ctx: WorkerContext) -> None:
         ctx.writer.stop()

@@ -33,15 +33,17 @@ class WriterDead(RuntimeError):
 
 
 class EventWriter:
-    def __init__(self, sessions, publisher: Publisher, on_lost, stop: threading.Event):
+    def __init__(self, sessions, publisher: Publisher, on_lost, stop: threading.Event, heard=None):
         """``on_lost(attempt, write_error)``: the attempt's events were refused (write_error None: it was
-        fenced; else the problem it fails with)."""
+        fenced; else the problem it fails with). ``heard(audience)``: how many live followers each
+        response's published batch reached (``Publisher.publish_many``)."""
         self.sessions = sessions
         engine = sessions.kw["bind"]
         # On Postgres a group commit is one statement, run as its own transaction (lifecycle.append_on).
         self._log = autocommit(engine) if engine.dialect.name == "postgresql" else None
         self.publisher = publisher
         self.on_lost = on_lost
+        self.heard = heard
         self.stop_event = stop
         self._cond = threading.Condition()
         self._pending: list[tuple[Attempt, Event]] = []
@@ -140,7 +142,9 @@ class EventWriter:
                     grouped[attempt].append(event)
             accepted = self._commit(grouped) if grouped else []
             metrics.EVENTS_WRITTEN.inc(sum(len(grouped[a]) for a in accepted))
-            self.publisher.publish_many({a.response_id: grouped[a] for a in accepted})
+            audience = self.publisher.publish_many({a.response_id: grouped[a] for a in accepted})
+            if audience and self.heard is not None:
+                self.heard(audience)
             now = time.time()
             with self._cond:
                 for attempt in accepted:

@@ -20,7 +20,7 @@ from api.live.loop import TICK_SECONDS, Loop
 from api.live.reads import LogReader
 from api.live.sinks import Ended, QueueSink, SocketSink
 from api.live.topics import Listener, Topic
-from common.bus import notices
+from common.bus import Publisher, notices
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.live")
@@ -28,6 +28,7 @@ CONFIRM_SECONDS = 1.0      # how long a new follower waits for Redis to confirm 
 SAFETY_NET_SECONDS = 5.0   # a quiet task's log is re-read (then "has it ended" asked) this often
 DIRECT_CHECK_SECONDS = 1.0  # a quiet direct stream asks whether its worker died this often
 USER_TIMEOUT_MS = 30_000   # unacknowledged data this old: the kernel drops the connection (a vanished peer)
+HINT_SECONDS = 1.0         # a response's worker is told of a new live follower at most this often (``hint``)
 FD_RESERVE = 512           # open files kept for everything but followers (database, Redis, requests)
 
 _hubs: "weakref.WeakSet[Hub]" = weakref.WeakSet()
@@ -53,6 +54,9 @@ class Hub:
                                       ) if settings.redis_url else None
         self.listener = Listener(client, self.call, self._deliver, self._confirmed, self._transport_changed
                                  ) if client is not None else None
+        self._publisher = Publisher(settings.redis_url)
+        self._hinted: dict[str, float] = {}  # response id -> when its worker was last told (``hint``)
+        self._hint_lock = threading.Lock()
         _hubs.add(self)
 
     def topic(self, response_id: str) -> Topic | None:
@@ -84,6 +88,21 @@ class Hub:
         self.confirm(watcher)
         return watcher
 
+    def hint(self, response_id: str) -> None:
+        """Tell the worker of a task's response that a follower reads it live (its windows, quiet while
+        unfollowed, shorten at once: worker/gate.py ``Deltas``); once per HINT_SECONDS per response in
+        this process, whatever the connect rate (a storm's thousand followers make one message)."""
+        if not self._publisher.live:
+            return
+        now = time.monotonic()
+        with self._hint_lock:
+            if now - self._hinted.get(response_id, -HINT_SECONDS) < HINT_SECONDS:
+                return
+            if len(self._hinted) >= 4096:
+                self._hinted = {r: at for r, at in self._hinted.items() if now - at < HINT_SECONDS}
+            self._hinted[response_id] = now
+        self._publisher.followed(response_id)
+
     def confirm(self, follower: Follower) -> bool:
         """Whether Redis confirmed the subscription (within CONFIRM_SECONDS): when not (Redis is away or
         slow), what is published meanwhile may not reach the follower."""
@@ -110,6 +129,7 @@ class Hub:
         follower.reading = True  # live batches wait in pending until the first page is in
         self.call(self._add, follower)
         self.confirm(follower)
+        self.hint(response_id)  # subscribed first: what its worker sends at the hint is heard
         try:
             page, final, ending = self.reads.ask(response_id, after, True, ended, None)
             first, error = Batch(page) if page else None, None
@@ -320,6 +340,8 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
     expired log, or what a database read raised. ``subscription`` is one the caller opened before
     dispatching the work (so nothing is missed); see ``Follower`` for the rest."""
     follower = subscription or hub.subscribe(response_id)
+    if logged:
+        hub.hint(response_id)
     hub.start(follower, after, logged, ended, authorized)
     try:
         while True:

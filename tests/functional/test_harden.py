@@ -36,7 +36,8 @@ class ScriptedEngine:
         from common.prompt import load_tokenizer
         return load_tokenizer(model_entry(MODEL)["checkpoint"])
 
-    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None):
+    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None, quiet=None,
+                 opened=None):
         yield Delta(text=self.text, token_ids=3, finish_reason="stop", prompt_tokens=5)
 
     def abort(self, request_id):
@@ -58,12 +59,12 @@ class Recorder:
         self.published: dict[str, list] = {}
 
     def publish(self, response_id, batch):
-        return self.publish_many({response_id: batch})
+        return self.publish_many({response_id: batch}) is not None
 
     def publish_many(self, batches):
         for rid, batch in batches.items():
             self.published.setdefault(rid, []).extend(batch)
-        return True
+        return {rid: 0 for rid in batches}
 
     def abort(self, response_id):
         pass
@@ -165,7 +166,8 @@ class CrashingEngine(ScriptedEngine):
         super().__init__("")
         self.prefilling = prefilling
 
-    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None):
+    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None, quiet=None,
+                 opened=None):
         raise EngineDied()
         yield  # a generator, as the engine's
 

@@ -19,7 +19,8 @@ class DiesInDecode(ScriptedEngine):
         super().__init__("")
         self.before = before  # called before it dies (a test fences the task there)
 
-    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None):
+    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None, quiet=None,
+                 opened=None):
         for i in range(4):
             yield Delta(text="a", token_ids=1, finish_reason=None, prompt_tokens=5)
             time.sleep(0.25)  # past a task's delta window: each token is a batch of its own
@@ -124,7 +125,8 @@ class PoisonEngine(ScriptedEngine):
         import threading
         self.lock, self.inside, self.deaths, self.beside_poison, self.gather = threading.Lock(), set(), 0, [], 0
 
-    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None):
+    def generate(self, request_id, prompt, params, window=0.0, max_tokens=None, on_delta=None, quiet=None,
+                 opened=None):
         poison = "POISON" in prompt
         with self.lock:
             self.inside.add(request_id)

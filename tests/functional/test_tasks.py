@@ -5,9 +5,11 @@ import threading
 import time
 
 import pytest
+import redis
 import websocket
 from sqlalchemy import func, select, update
 
+from common.bus import FOLLOWED
 from common.db import make_engine, session_factory
 from common.tables import Task
 from tests.harness import user
@@ -103,6 +105,31 @@ def test_live_follow_from_queued(alice, model_id):
     deltas = "".join(e[2]["delta"] for e in events if e[1] == "response.output_text.delta")
     final = wait_status(alice, task["id"], {"succeeded"})
     assert deltas == final["response"]["output"][0]["content"][0]["text"]
+
+
+def test_a_task_nobody_follows_is_logged_in_quiet_windows_and_a_followed_one_in_short_ones(alice, model_id,
+                                                                                            redis_url):
+    """Unfollowed, a task's text is merged over the quiet window (LMSP_TASK_QUIET_WINDOW_MS, its token cap
+    grown as much; worker/gate.py ``Deltas``); followed live from the start (its batches reach a
+    subscriber), over the task window (LMSP_TASK_DELTA_WINDOW_MS, or 16 tokens). The same greedy text. A follower's connect tells the worker
+    (bus.FOLLOWED), so one that joins a quiet stream does not wait for its window."""
+    hints = redis.Redis.from_url(redis_url).pubsub()
+    hints.subscribe(FOLLOWED)
+    assert hints.get_message(timeout=5)["type"] == "subscribe"
+    text = "Write a long story about a lighthouse keeper and the sea."
+    followed = submit(alice, model_id, text, max_output_tokens=128).json()
+    live = alice.sse(followed["events_url"])  # connected while queued or at its start: every batch reaches it
+    hint = hints.get_message(timeout=5)
+    assert hint is not None and hint["data"].decode() == followed["response_id"]
+    alone = submit(alice, model_id, text, max_output_tokens=128).json()
+    wait_status(alice, alone["id"], {"succeeded"})
+    quiet = alice.sse(alone["events_url"])  # its log, read once it ended: nobody followed it live
+    hints.close()
+
+    def deltas(events):
+        return [e[2]["delta"] for e in events if e[1] == "response.output_text.delta"]
+    assert "".join(deltas(quiet)) == "".join(deltas(live))
+    assert 2 * len(deltas(quiet)) <= len(deltas(live)), (len(deltas(quiet)), len(deltas(live)))
 
 
 def test_websocket_carries_the_same_events(alice, model_id, api):

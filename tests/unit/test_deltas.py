@@ -156,3 +156,36 @@ def test_a_handler_that_says_stop_ends_the_stream_and_one_that_raises_hands_its_
         raise boom
     assert _consume(out, refuse)[-1] is boom
     producer.join()
+
+
+def test_unfollowed_windows_are_quiet_and_a_follower_gets_what_is_pending_at_once(loop):
+    """A task's stream nobody follows live is merged over its quiet window (its cap grown as much); its
+    audience (the writer's publish, or an api's hint) brings the short window back, pending tokens now."""
+    out = Deltas(window=0.05, max_tokens=4, loop=loop, quiet=2.0)
+    taken = []
+    time.sleep(2.0 - time.monotonic() % 2.0 + 0.05)  # windows end on a 2 s grid: the next end is 2 s away
+    # 40 tokens in 0.8 s, a pause of 1.5 s (the engine slow, or the request paused), 40 more.
+    producer = _produce_on(loop, out, [f"{k} " for k in range(80)], 0.02, gap_at=(40, 1.5))
+    first = out.get()
+    out.hand_over(lambda d: taken.append((time.monotonic(), d.token_ids)))
+    time.sleep(1.1)
+    # At the short window a call every 4 tokens (~10 by now); the quiet window's cap is 160 tokens.
+    quiet = list(taken)
+    assert not quiet, quiet
+    told = time.monotonic()
+    out.audience(1)
+    time.sleep(0.15)
+    # What was pending went at once, though no token came to close its window.
+    assert len(taken) == len(quiet) + 1 and taken[-1][0] - told < 0.1, (taken, told)
+    assert sum(n for _, n in taken) == 39  # every token but the first so far
+    producer.join()
+    rest = out.get()
+    assert rest.finish_reason == "stop" and len(taken) - len(quiet) - 1 >= 8, taken  # a call every 4 again
+    assert sum(n for _, n in taken) + first.token_ids + rest.token_ids == 80
+
+
+def test_a_stream_without_a_quiet_window_ignores_its_audience(loop):
+    out = Deltas(window=0.05, loop=loop)
+    assert out.followed
+    out.audience(0)
+    assert out.followed
