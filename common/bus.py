@@ -97,22 +97,21 @@ class Publisher:
         return {response_id: replies[at] for response_id, at in events_at.items()}
 
     def followed(self, response_id: str) -> None:
-        """The api's hint to the worker of ``response_id``: a follower now reads it live (``FOLLOWED``)."""
-        if self.client is None:
-            return
-        try:
-            self.client.publish(FOLLOWED, response_id)
-        except redis.RedisError:
-            pass  # its worker learns of the follower at its next publish
+        """The api's hint to the worker of ``response_id``: a follower now reads it live (its worker
+        would learn as much at its next publish)."""
+        self._hint(FOLLOWED, response_id)
 
     def abort(self, response_id: str) -> None:
         """A hint to workers to stop generating ``response_id``; they also poll the database."""
+        self._hint(CONTROL, response_id)
+
+    def _hint(self, channel_name: str, response_id: str) -> None:
         if self.client is None:
             return
         try:
-            self.client.publish(CONTROL, response_id)
+            self.client.publish(channel_name, response_id)
         except redis.RedisError:
-            pass
+            pass  # a hint: what it says is found out another way
 
 
 def announce_revoked(redis_url: str, token_id: str) -> bool:
