@@ -379,9 +379,11 @@ def figures_of(n: int, a: dict, b: dict | None) -> dict:
              "directs_ok": 0, "directs": 0, "long_polls_ok": 0, "long_polls": 0,
              **dict.fromkeys(("lost", "duplicated", "out_of_order", "finals_wrong", "unfinished", "refused"), 0)}
     rows_a, rows_b = a["rows_all"], b["rows_all"]
-    # The api's work without followers scales with the events (tasks, polls, publishes): what phase B used
-    # beyond phase A's cost per event, per event delivered to a follower. Not positive: not measurable.
-    api_follow = b["cpu"]["api"] - (a["cpu"]["api"] / rows_a if rows_a else 0) * rows_b
+    # The api's work without followers is its tasks' (POSTs, long polls, directs), the same offered load
+    # in both phases: what phase B used beyond phase A's rate, per event delivered to a follower. Not by
+    # events: followed tasks log more of them (short windows; an unfollowed one's are quiet, gate.Deltas).
+    # Not positive: not measurable.
+    api_follow = b["cpu"]["api"] - a["cpu"]["api"] * b["cpu"]["seconds"] / a["cpu"]["seconds"]
     s = {
         "workers": n,
         "tokens_per_s": round(a["tokens"] / a["steady_seconds"], 1),

@@ -167,6 +167,23 @@ def test_the_fleet_sizes_a_cluster_from_its_reports_costs_and_a_followers_cost_f
     assert next(r for r in table.rows if r["id"] == "F3")["status"] == "PASS"
 
 
+def _phase(api: float, rows: int, delivered: int = 0) -> dict:
+    return {"rows_all": rows, "rows": rows, "tokens": 480_000, "steady_seconds": 60.0, "seconds": 60.0,
+            "delivered_in_window": delivered, "lag_ms": [10.0, 50.0], "claim_ms": [5.0, 20.0], "post_p99_ms": 100.0,
+            "cpu": {"worker": 6.0, "postgres": 2.0, "redis": 0.2, "api": api, "client": 1.0, "seconds": 60.0},
+            "wal_bytes": 900 * rows, "tasks_per_s_target": 10.0, "tasks_per_s_offered": 10.0, "queued_at_end": 0,
+            "followers_n": 10, "killed": None, "directs_ok": 1, "directs": 1, "long_polls_ok": 1, "long_polls": 1,
+            **dict.fromkeys(("lost", "duplicated", "out_of_order", "finals_wrong", "unfinished", "refused"), 0)}
+
+
+def test_a_followers_api_cost_is_what_the_same_load_cost_beyond_phase_a_not_per_event_of_its_log():
+    """Followed tasks log more events than unfollowed ones (short windows against quiet ones): the api's
+    own work is its tasks', the same load in both phases, so phase A's is taken away by time."""
+    from tests.bench.fleet import figures_of
+    step = figures_of(4, _phase(api=2.0, rows=10_000), _phase(api=5.0, rows=20_000, delivered=100_000))
+    assert step["cpu_s_per_1k_events"]["api_per_follower"] == 0.03  # (5 - 2) s over 100,000 deliveries
+
+
 BUSY = """import threading, time
 def spin():
     end = time.monotonic() + 1.5
