@@ -86,9 +86,13 @@ class Publisher:
             conn = pool.get_connection()
         except redis.RedisError:
             return None
-        try:
-            conn.send_packed_command(conn.pack_commands(commands))
-            replies = [conn.read_response() for _ in commands]
+        packed = conn.pack_commands(commands)
+
+        def send():
+            conn.send_packed_command(packed)
+            return [conn.read_response() for _ in commands]
+        try:  # the connection's own retry policy, as the pipeline applied it (a stale socket: reconnect)
+            replies = conn.retry.call_with_retry(send, lambda error: conn.disconnect())
         except redis.RedisError:
             conn.disconnect()  # replies may be left unread: never hand the socket on
             return None  # followers fall back to the log; Redis is expendable

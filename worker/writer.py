@@ -40,7 +40,7 @@ class EventWriter:
         self.sessions = sessions
         engine = sessions.kw["bind"]
         # On Postgres a group commit is one statement, run as its own transaction (lifecycle.append_on).
-        self._log = autocommit(engine) if engine.dialect.name == "postgresql" else None
+        self._autocommit = autocommit(engine) if engine.dialect.name == "postgresql" else None
         self.publisher = publisher
         self.on_lost = on_lost
         self.heard = heard
@@ -197,11 +197,11 @@ class EventWriter:
         self.on_lost(attempt, write_error)
 
     def _append(self, grouped: dict[Attempt, list[Event]]) -> set[Attempt]:
-        if self._log is None:
+        if self._autocommit is None:
             return self._retrying(lambda session: lifecycle.append(session, grouped))
 
         def once():
-            with self._log.connect() as conn:
+            with self._autocommit.connect() as conn:
                 return lifecycle.append_on(conn, grouped)
         return retrying(once, seconds=float("inf"), log=log, stop=self.stop_event)
 
