@@ -194,8 +194,10 @@ def events_partitioned(db_url: str) -> bool:
 
 # -- one phase of load ---------------------------------------------------------------------------------------
 class Phase:
-    def __init__(self, run: Run, workers: int, seconds: float, followers: bool, tokens: int = TASK_TOKENS):
+    def __init__(self, run: Run, workers: int, seconds: float, followers: bool, tokens: int = TASK_TOKENS,
+                 tail_each: bool = False):
         self.run, self.workers, self.seconds, self.followers, self.tokens = run, workers, seconds, followers, tokens
+        self.tail_each = tail_each  # every task tailed by one follower to its end (the sizing's reports)
         self.task_seconds = TTFT + tokens / RATE
         self.rate = LOAD * workers * SLOTS / self.task_seconds  # tasks per second
         self.tasks: list[str] = []
@@ -236,7 +238,10 @@ class Phase:
         doc, took = await post_task(run.loop.http, base, run.token, task_body(run.fleet.model, f"fleet {i}", self.tokens))
         self.tasks.append(doc["id"])
         self.post_seconds.append(took)
-        if self.followers and i % FOLLOWED_EVERY == 0:
+        if self.tail_each:
+            self.followed.append(await follow(run.loop.http, base, run.token, doc["id"], ("sse", "ws")[i % 2],
+                                              deadline=self.task_seconds + 300))
+        elif self.followers and i % FOLLOWED_EVERY == 0:
             recs = await asyncio.gather(*[follow(run.loop.http, run.bases[(i + k) % len(run.bases)], run.token,
                                                  doc["id"], mode, deadline=300) for k, mode in enumerate(("sse", "ws"))])
             self.followed += recs
@@ -322,10 +327,12 @@ def run_phase(run: Run, workers: int, seconds: float, followers: bool) -> dict:
     return out
 
 
-def reports_phase(run: Run, workers: int) -> dict:
-    """Reports of REPORT_TOKENS at the steps' offered concurrency, no followers; measured for
-    REPORT_MEASURE seconds once the first reports end (the fleet is full), not while it fills."""
-    phase = Phase(run, workers, TTFT + REPORT_TOKENS / RATE + REPORT_MEASURE, False, tokens=REPORT_TOKENS)
+def reports_phase(run: Run, workers: int, tailed: bool = False) -> dict:
+    """Reports of REPORT_TOKENS at the steps' offered concurrency, no followers (or, ``tailed``, each with
+    one follower to its end: it logs at the followed pace); measured for REPORT_MEASURE seconds once the
+    first reports end (the fleet is full), not while it fills."""
+    phase = Phase(run, workers, TTFT + REPORT_TOKENS / RATE + REPORT_MEASURE, False, tokens=REPORT_TOKENS,
+                  tail_each=tailed)
     driving = run.loop.spawn(phase.drive())
     time.sleep(phase.task_seconds)
     a, wal0, meter = time.time(), wal_lsn(run.db_url), run.meter.start()
@@ -333,10 +340,12 @@ def reports_phase(run: Run, workers: int) -> dict:
     cpu, wal1, b = meter.stop(), wal_lsn(run.db_url), time.time()
     log(f"  reports of {REPORT_TOKENS} tokens: offered {phase.offered:.2f} tasks/s; waiting for them to end")
     run.loop.run(_wait(phase.tail), timeout=600)
+    ended = sum(1 for f in phase.followed if f.ended)
     rows = db_counts(run.db_url, run.fleet.model, a, b)["rows"]
     # Tokens the fleet generated meanwhile: the offered streams at the engine's rate (the step kept up).
     tokens = LOAD * workers * SLOTS * RATE * cpu["seconds"]
-    return {"workers": workers, "tokens": REPORT_TOKENS, "seconds": round(cpu["seconds"], 1), "rows": rows,
+    return {"workers": workers, "tokens": REPORT_TOKENS, "tailed": f"{ended}/{len(phase.followed)}" if tailed else None,
+            "seconds": round(cpu["seconds"], 1), "rows": rows,
             "rows_per_token": round(rows / tokens, 4), "cpu": cpu,
             "cpu_s_per_1k_events": {k: round(1000 * cpu[k] / rows, 4) if rows else None
                                     for k in ("worker", "postgres", "redis", "api", "client")},
@@ -442,7 +451,7 @@ def print_step(s: dict) -> None:
 def print_reports(r: dict) -> None:
     c = r["cpu_s_per_1k_events"]
     os.write(STDOUT_FD, (
-        f"reports of {r['tokens']} tokens, N={r['workers']}: {r['rows']} event rows in {r['seconds']} s "
+        f"reports of {r['tokens']} tokens{', each tailed' if r['tailed'] else ''}, N={r['workers']}: {r['rows']} event rows in {r['seconds']} s "
         f"({r['rows_per_token']} a token)\n  CPU-s per 1000 events: worker {c['worker']}, postgres {c['postgres']}, "
         f"redis {c['redis']}, api {c['api']} (client {c['client']}); WAL {r['wal_bytes_per_event']} B/event\n").encode())
 
@@ -508,9 +517,15 @@ def storm_probe(run: Run) -> dict:
 
 
 # -- the goals and the sizing table ---------------------------------------------------------------------------------
-def basis(best: dict, reports: dict | None) -> dict:
-    """The costs the sizing scales: a fleet of reports' (when measured), else the step's short tasks';
-    a follower's from the step (followers of short tasks: their connects counted in, an upper bound)."""
+def basis(best: dict, reports: dict | None, tailed: dict | None = None) -> dict:
+    """The costs the sizing scales: a fleet of reports each tailed by one follower (when measured: the
+    sizing's own assumption, measured whole, the follower's api work and its followed pace of rows
+    included), else unfollowed reports', else the step's short tasks'; for those two, a follower's from
+    the step (followers of short tasks: their connects counted in, an upper bound)."""
+    if tailed is not None:
+        return {"of": f"N={tailed['workers']}, reports of {tailed['tokens']} tokens, each tailed by one follower",
+                "cpu": {**tailed["cpu_s_per_1k_events"], "api_per_follower": 0},  # in its api's CPU already
+                "rows_per_token": tailed["rows_per_token"], "wal_bytes_per_event": tailed["wal_bytes_per_event"]}
     if reports is None:
         return {"of": f"N={best['workers']}, tasks of {TASK_TOKENS} tokens", "cpu": best["cpu_s_per_1k_events"],
                 "rows_per_token": best["rows_per_s"] / best["tokens_per_s"] if best["tokens_per_s"] else None,
@@ -563,7 +578,7 @@ class Table:
 
 
 def goals(table: Table, steps: list[dict], hold: dict | None, storm: dict | None, partitioned: bool,
-          reports: dict | None) -> None:
+          reports: dict | None, tailed: dict | None) -> None:
     ok_steps = [s for s in steps if not s["saturated"]] or steps
     best = ok_steps[-1] if ok_steps else None
     if hold:
@@ -610,12 +625,13 @@ def goals(table: Table, steps: list[dict], hold: dict | None, storm: dict | None
               f"{bad} over {sum(s['followers'] for s in steps)} followers", "0", bool(steps) and bad == 0,
               f"streams ended by an error event and resumed: {sum(s.get('stream_errors') or 0 for s in steps)}")
     if best:
-        costs = basis(best, reports)
+        costs = basis(best, reports, tailed)
         size = sizing(costs)[100]
         table.add("F8", "sizing: 100 GPUs x 64 streams x 40 tok/s",
                   f"Postgres {size['postgres_cores']} cores, {size['api_processes']} api processes",
                   "<= 16-core Postgres, <= 4 api", size["postgres_cores"] <= 16 and size["api_processes"] <= 4,
-                  f"first wall: {size['first_wall']}; from {costs['of']}")
+                  f"first wall: {size['first_wall']}; from {costs['of']}"
+                  + (f" ({tailed['tailed']} followers to the end)" if tailed else ""))
 
 
 def render_sizing(costs: dict) -> str:
@@ -624,7 +640,7 @@ def render_sizing(costs: dict) -> str:
             ("wal_gib_per_day", "WAL GiB/day"), ("redis_cores", "Redis cores"), ("api_processes", "api processes"),
             ("worker_cpu_per_gpu_cores", "worker host CPU per GPU (cores)"),
             ("postgres_connections", "Postgres connections"), ("first_wall", "first wall")]
-    lines = [f"sizing from {costs['of']} (one follower per task):", "| | 100 GPUs | 1000 GPUs |", "|---|---|---|"]
+    lines = [f"sizing from {costs['of']} (one follower a task):", "| | 100 GPUs | 1000 GPUs |", "|---|---|---|"]
     lines += [f"| {label} | {size[100][k]} | {size[1000][k]} |" for k, label in keys]
     return "\n".join(lines)
 
@@ -650,7 +666,7 @@ def main() -> None:
     table, steps, meta = Table(), [], {"logs": str(tmp), "seconds": SECONDS, "apis": APIS, "api_threads": API_THREADS,
                                        "sim_engine": SIM_ENGINE, "backlog": BACKLOG, "pg_connections": PG_CONNECTIONS}
     fleet = loop = None
-    hold = storm = reports = None
+    hold = storm = reports = tailed = None
     partitioned = False
     log(f"fleet: budget {SECONDS:.0f}s, {APIS} api processes x {API_THREADS} threads; logs in {tmp}")
     try:
@@ -673,7 +689,8 @@ def main() -> None:
         log(f"backlog: {BACKLOG} tasks queued for {parked} in {meta['backlog_seconds']}s")
         left = deadline - time.monotonic()
         # Reports: filling, measured, ending.
-        report_need = 2 * (TTFT + REPORT_TOKENS / RATE) + REPORT_MEASURE + 10 if wanted("F3", "F8") else 0
+        one_report = 2 * (TTFT + REPORT_TOKENS / RATE) + REPORT_MEASURE + 10
+        report_need = one_report * (wanted("F3", "F8") + wanted("F8"))
         step_seconds = max(20.0, min(120.0, (left - 120 - report_need) / 5))
         meta["step_seconds"] = step_seconds
         if left > 200 and wanted("F2"):
@@ -699,6 +716,10 @@ def main() -> None:
                 log(f"reports of {REPORT_TOKENS} tokens, N={n}")
                 reports = reports_phase(run, n)
                 print_reports(reports)
+                if wanted("F8") and time.monotonic() + one_report + 60 < deadline:
+                    log(f"reports of {REPORT_TOKENS} tokens, each tailed by one follower, N={n}")
+                    tailed = reports_phase(run, n, tailed=True)
+                    print_reports(tailed)
             if s["saturated"]:
                 meta["stopped"] = f"saturated at N={n}: {s['saturated']}"
                 break
@@ -715,18 +736,18 @@ def main() -> None:
             fleet.close()
         cleanup_redis(REDIS_URL, [model, parked])
         drop_database(db_url)
-    goals(table, steps, hold, storm, partitioned, reports)
+    goals(table, steps, hold, storm, partitioned, reports, tailed)
     table.rows = [row for row in table.rows if wanted(row["id"])]
     meta["runtime_s"] = round(time.monotonic() - started, 1)
     ok = [s for s in steps if not s["saturated"]] or steps
-    costs = basis(ok[-1], reports) if ok else None
+    costs = basis(ok[-1], reports, tailed) if ok else None
     text = table.render() + "\n"
     if costs:
         text += render_sizing(costs) + "\n"
     text += f"runtime {meta['runtime_s']:.0f} s; {meta.get('stopped', '')}{meta.get('error', '')}\n"
     os.write(STDOUT_FD, text.encode())
     OUT.write_text(json.dumps({"meta": meta, "figures": table.rows, "steps": steps,
-                               "reports": reports, "sizing": sizing(costs) if costs else None, "basis": costs,
+                               "reports": reports, "tailed_reports": tailed, "sizing": sizing(costs) if costs else None, "basis": costs,
                                "hold": hold, "storm": storm},
                               indent=1, default=str))
     log(f"wrote {OUT}")

@@ -157,13 +157,24 @@ def test_the_fleet_sizes_a_cluster_from_its_reports_costs_and_a_followers_cost_f
     assert size["postgres_cores"] == 2.7                      # 20,480 x 0.13 ms
     assert size["api_processes"] == 6                         # 20,480 x (0.016 + 0.2) ms = 4.4 cores / 0.8
     assert sizing(basis(_fleet_step(), None))[100]["event_rows_per_s"] == 32000  # the short tasks' 0.125 a token
+    # Reports each tailed by one follower are the sizing's assumption measured whole: their rows at the
+    # followed pace, their api's CPU with the follower in it; the steps' per-follower cost is not added again.
+    tailed = {**reports, "tailed": "192/192", "rows_per_token": 0.125,
+              "cpu_s_per_1k_events": {**reports["cpu_s_per_1k_events"], "api": 0.04}}
+    size = sizing(basis(_fleet_step(), reports, tailed))[100]
+    assert size["event_rows_per_s"] == 32000 and size["postgres_cores"] == 4.2  # 32,000 x 0.13 ms
+    assert size["api_processes"] == 2                         # 32,000 x 0.04 ms = 1.28 cores / 0.8
     table = Table()
-    goals(table, [_fleet_step()], None, None, True, reports)
+    goals(table, [_fleet_step()], None, None, True, reports, tailed)
+    f8 = next(r for r in table.rows if r["id"] == "F8")
+    assert "each tailed by one follower" in f8["note"] and "192/192" in f8["note"]
+    table = Table()
+    goals(table, [_fleet_step()], None, None, True, reports, None)
     f3 = next(r for r in table.rows if r["id"] == "F3")
     assert f3["status"] == "FAIL" and f3["value"].startswith("539.0 µs") and "1830.0 µs" in f3["note"]
     cheap = {**reports, "cpu_s_per_1k_events": {"worker": 0.03, "postgres": 0.01, "redis": 0.001, "api": 0.01}}
     table = Table()
-    goals(table, [_fleet_step()], None, None, True, cheap)
+    goals(table, [_fleet_step()], None, None, True, cheap, None)
     assert next(r for r in table.rows if r["id"] == "F3")["status"] == "PASS"
 
 
