@@ -387,7 +387,7 @@ def figures_of(n: int, a: dict, b: dict | None) -> dict:
              "post_p99_ms": None, "cpu": {"api": 0.0, "seconds": 1}, "followers_n": 0, "killed": None,
              "directs_ok": 0, "directs": 0, "long_polls_ok": 0, "long_polls": 0,
              **dict.fromkeys(("lost", "duplicated", "out_of_order", "finals_wrong", "unfinished", "refused"), 0)}
-    rows_a, rows_b = a["rows_all"], b["rows_all"]
+    rows_a = a["rows_all"]
     # The api's work without followers is its tasks' (POSTs, long polls, directs), the same offered load
     # in both phases: what phase B used beyond phase A's rate, per event delivered to a follower. Not by
     # events: followed tasks log more of them (short windows; an unfollowed one's are quiet, gate.Deltas).
