@@ -16,6 +16,10 @@ REVOKED = "lmsp:revoked"   # token ids just revoked: every api process drops the
 HUB = "lmsp:hub"           # never published to: keeps an idle subscriber connection in subscribed mode
 
 
+# A notice that no event carries: the task changed where its log says nothing (a claim, a cancel's
+# ``cancelling``); published for a ``Publish`` entry with no events (common/lifecycle.py).
+CHANGED = "changed"
+
 # Events a reader of the task object need not hear of one by one: a long poll (GET /tasks/{id}?wait) is
 # told of every other event through its response's notices, not of every token.
 TEXT_ONLY = frozenset({TEXT_DELTA, REASONING_DELTA})
@@ -27,7 +31,8 @@ def channel(response_id: str) -> str:
 
 def notices(response_id: str) -> str:
     """The topic (a channel with ``channel``) of ``response_id``'s notices: a batch's last event not of
-    ``TEXT_ONLY`` (its data left out), for every batch that holds one (api/live/hub.py ``watch``)."""
+    ``TEXT_ONLY`` (its data left out), for every batch that holds one, and ``CHANGED`` for an empty one
+    (api/live/hub.py ``watch``)."""
     return "notices:" + response_id
 
 
@@ -64,19 +69,21 @@ class Publisher:
         return self.publish_many({response_id: batch}) is not None
 
     def publish_many(self, batches: dict[str, list[tuple[int, str, str]]]) -> dict[str, int] | None:
-        """One round trip for every response's batch of a commit cycle. Returns how many subscribers
-        (api processes with live followers of it) each response's batch reached; None when Redis is away."""
+        """One round trip for every response's batch of a commit cycle (an empty batch: a notice only,
+        ``CHANGED``). Returns how many subscribers (api processes with live followers of it) each
+        response's events reached; None when Redis is away."""
         if self.client is None:
             return None
         commands, events_at = [], {}
         for response_id, batch in batches.items():
-            if batch:
-                events_at[response_id] = len(commands)
-                commands.append(("PUBLISH", channel(response_id), encode(batch)))
-                notice = next((e for e in reversed(batch) if e[1] not in TEXT_ONLY), None)
-                if notice is not None:
-                    commands.append(("PUBLISH", channel(notices(response_id)),
-                                     encode([(notice[0], notice[1], "{}")])))
+            if not batch:
+                commands.append(("PUBLISH", channel(notices(response_id)), encode([(0, CHANGED, "{}")])))
+                continue
+            events_at[response_id] = len(commands)
+            commands.append(("PUBLISH", channel(response_id), encode(batch)))
+            notice = next((e for e in reversed(batch) if e[1] not in TEXT_ONLY), None)
+            if notice is not None:
+                commands.append(("PUBLISH", channel(notices(response_id)), encode([(notice[0], notice[1], "{}")])))
         if not commands:
             return {}
         # redis-py's connection, not its pipeline: the pipeline's per-command bookkeeping was a third of

@@ -46,7 +46,9 @@ from common.states import (
 from common.tables import Base, QueueCount, Response, Task, Worker
 from common.tables import Event as EventRow
 
-Publish = dict[str, list[Event]]   # response id -> events to publish after the commit
+# Response id -> events to publish after the commit; no events: its task changed where no event says so
+# (a claim, a cancel's ``cancelling``), a notice for its long polls only (common/bus.py ``CHANGED``).
+Publish = dict[str, list[Event]]
 
 
 class Fenced(Exception):
@@ -342,7 +344,8 @@ def claim(session: Session, task_id: str, worker_id: str, *, model: str | None =
         adopted = task is not None
     if task is None:
         if pg:
-            return _claim_queued(session, params, points, commit), {}
+            claimed = _claim_queued(session, params, points, commit)
+            return claimed, _changed(claimed)
         task = _claim_queued_orm(session, model if model is not None else _model_of(session, task_id), worker_id)
         if task is None:
             return None, {}
@@ -359,7 +362,12 @@ def claim(session: Session, task_id: str, worker_id: str, *, model: str | None =
         timeline.claimed(session, claimed.attempt, **points)
     if commit:
         session.commit()
-    return claimed, {}
+    return claimed, _changed(claimed)
+
+
+def _changed(claimed: Claim | None) -> Publish:
+    """A claim's notice: queued -> loading (or a new attempt of a task handed on) logs no event."""
+    return {} if claimed is None else {claimed.attempt.response_id: []}
 
 
 def _claim_queued(session: Session, params: dict, points: dict | None, commit: bool) -> Claim | None:
@@ -649,10 +657,11 @@ def cancel(session: Session, task: Task, lease_seconds: float | None = None) -> 
         owner = session.execute(select(Task.worker_id).where(Task.id == task.id)).scalar()
         if owner is None:  # handed on, nobody runs it now: the cancellation completes at once
             return False, hand_on(session, task.id, error={})[1]
+        cancelling = {task.response_id: []}  # no event says so until its owner stops
         if lease_seconds is None:
-            return True, {}
+            return True, cancelling
         _, publish = hand_on(session, task.id, error={}, owner_expired_after=lease_seconds)
-        return not publish, publish
+        return not publish, publish or cancelling
     return False, {}
 
 
