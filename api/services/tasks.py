@@ -104,12 +104,14 @@ def etag(task: wire.TaskObject) -> str:
 def _wait_for_change(svc: Services, principal: str, task_id: str, response_id: str, unchanged,
                      wait: float) -> wire.TaskObject:
     deadline = time.monotonic() + wait
-    recheck = WAIT_RECHECK_SECONDS if svc.hub.connected else WAIT_RECHECK_WITHOUT_REDIS
     with svc.hub.watch(response_id) as sub:
         while True:
             # Read after subscribing: a change between the first read and the subscription is seen here.
             task = read(svc, principal, task_id)
             read_at = time.monotonic()
+            # Asked at each read: Redis going away is heard as a notice, and what changes while it is
+            # away publishes none.
+            recheck = WAIT_RECHECK_SECONDS if svc.hub.connected else WAIT_RECHECK_WITHOUT_REDIS
             if not unchanged(etag(task)) or task.status in TERMINAL or read_at >= deadline:
                 return task
             while (now := time.monotonic()) < min(deadline, read_at + recheck):

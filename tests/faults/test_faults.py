@@ -294,6 +294,35 @@ def test_redis_restarted_empty_loses_no_queued_task(stack, alice, pair, restart_
         check_exactly_once(alice.sse(task["events_url"]))
 
 
+def test_a_long_poll_held_while_redis_is_down_still_sees_its_task_change(stack, alice, private_servers):
+    """A change made while Redis is away publishes no notice: a poll that was waiting when Redis went
+    reads its task often from then on (as one begun without Redis does), not only at its long re-check."""
+    redis_server = private_servers[1]
+    resp = alice.post("/lmsp/v1/tasks", {"type": "response", "input": {  # a model no worker serves: queued
+        "model": "tiny:no-tools", "input": user("Say no."), "max_output_tokens": 4}})
+    assert resp.status_code == 202, resp.text
+    path = f"/lmsp/v1/tasks/{resp.json()['id']}"
+    got = {}
+
+    def waiter():
+        got["resp"] = alice.get(path + "?wait=30", headers={"If-None-Match": alice.get(path).headers["ETag"]})
+        got["at"] = time.monotonic()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(1.0)  # held, subscribed
+    redis_server.stop()
+    try:
+        time.sleep(2.0)  # the api's listener has seen its connection go
+        assert alice.post(path + "/cancel").json()["status"] == "cancelled"
+        cancelled_at = time.monotonic()
+        thread.join(timeout=40)
+    finally:
+        redis_server.start()
+    assert got["resp"].status_code == 200 and got["resp"].json()["status"] == "cancelled", got["resp"].status_code
+    assert got["at"] - cancelled_at < 5, got["at"] - cancelled_at
+
+
 def test_postgres_down_longer_than_the_lease_while_tasks_run(stack, alice, pair, private_servers):
     """Every worker's heartbeat looks expired when Postgres comes back: nobody may take over a live
     worker's tasks for that (fail-policy tasks would fail because Postgres blinked)."""
