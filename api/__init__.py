@@ -43,11 +43,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-    sessions, reads = session_factory(engine), autocommit(engine)
+    sessions, reads, publisher = session_factory(engine), autocommit(engine), Publisher(settings.redis_url)
     app.extensions["lmsp"] = Services(
         settings=settings, engine=engine, sessions=sessions, reads=reads,
         registry=Registry.load(settings.models_path), celery=make_celery(settings),
-        publisher=Publisher(settings.redis_url), hub=Hub(settings, reads),
+        publisher=publisher, hub=Hub(settings, reads, publisher),
         limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url),
         sender=ThreadPoolExecutor(1, "lmsp-dispatch"),
         auth_failures=AuthFailures(settings.auth_failures_per_minute),

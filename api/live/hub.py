@@ -41,7 +41,8 @@ class ShuttingDown(Exception):
 class Hub:
     """One per api process: see the module. Other threads hand the fan-out thread work with ``call``."""
 
-    def __init__(self, settings: Settings, reads: Engine):
+    def __init__(self, settings: Settings, reads: Engine, publisher: Publisher | None = None):
+        """``publisher``: the process's, for the hints to workers (``hint``); else one of its own."""
         self.settings = settings
         self._topics: dict[str, Topic] = {}
         self.closing = threading.Event()  # set on SIGTERM (api/__init__.py)
@@ -54,7 +55,7 @@ class Hub:
                                       ) if settings.redis_url else None
         self.listener = Listener(client, self.call, self._deliver, self._confirmed, self._transport_changed
                                  ) if client is not None else None
-        self._publisher = Publisher(settings.redis_url)
+        self._publisher = publisher or Publisher(settings.redis_url)
         self._hinted: dict[str, float] = {}  # response id -> when its worker was last told (``hint``)
         self._hint_lock = threading.Lock()
         _hubs.add(self)
