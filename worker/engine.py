@@ -31,6 +31,8 @@ from worker.procs import (
 
 __all__ = ["Delta", "EngineHost", "GenParams"]
 
+PERSON_FIRST = "worker.vllm_scheduler.PersonFirstScheduler"  # imported by name in the engine's process
+
 
 class EngineHost(GatedHost):
     dead_errors = (EngineDeadError,)
@@ -93,9 +95,15 @@ class EngineHost(GatedHost):
             for name, value in engine_markers(self._tag).items():
                 os.environ.pop(name, None)  # set anew: the environment's last entry (see engine_markers)
                 os.environ[name] = value
+        # Priority scheduling by default: a person's request (GenParams.priority) outranks tasks.
+        defaults = {"enforce_eager": True, "scheduling_policy": "priority"}
+        if self._settings.resolved.get("device") == "cpu":
+            # A person's prompt in a step of its own (worker/vllm_scheduler.py). On a GPU the step it
+            # shares with the running decodes costs about what it does alone, and vLLM's own (async)
+            # scheduler is kept.
+            defaults["scheduler_cls"] = PERSON_FIRST
         args = AsyncEngineArgs(
-            # Priority scheduling by default: a person's request (GenParams.priority) outranks tasks.
-            **{"enforce_eager": True, "scheduling_policy": "priority", **self._engine_args},
+            **{**defaults, **self._engine_args},
             model=self._checkpoint,
             enable_prefix_caching=True,  # resume re-submits prompt + output so far
         )

@@ -17,8 +17,9 @@ requests are never paused: their grammar cannot restart mid-output.
 
 Until a person's request has its first token, the step that computes it carries no less urgent
 prefill: background requests not yet started are paused (they lose at most a partial prefill) and
-none is admitted or resumed, so its time to first token is the batch's decode step plus its own
-prompt, not a refill of the batch.
+none is admitted or resumed; on a CPU the running background decodes sit that step out too
+(worker/vllm_scheduler.py). So its time to first token is what is left of the step under way plus
+its own prompt, not a refill of the batch nor a step of the batch's decodes.
 
 A host (``worker.engine.EngineHost`` for vLLM, ``worker.sim.SimEngine``) implements ``_pump`` (one
 request: its prompt, then ``_admitted`` with what runs it once admitted) and ``_engine_abort`` (stop an

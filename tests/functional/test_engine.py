@@ -126,6 +126,38 @@ def test_first_token_step_carries_no_background_prefill(host, monkeypatch):
     assert got["lakes"]["prompt_tokens"] == alone["lakes-alone"]["prompt_tokens"]
 
 
+def test_a_persons_prompt_has_a_step_of_its_own_and_the_background_beside_it_loses_nothing(host, monkeypatch):
+    """On a CPU, vLLM's scheduler computes a person's prompt in a step no running background decode
+    shares (worker/vllm_scheduler.py): the background sits that one step out and goes on."""
+    if not hasattr(host, "_llm"):
+        pytest.skip("the simulated engine has no vLLM scheduler")
+    # Each output's engine step, by the timestamp the engine core gave that step (vLLM's request stats).
+    steps: dict = {}
+    generate = host._llm.generate
+
+    async def recorded(prompt, params, request_id, **kwargs):
+        async for res in generate(prompt, params, request_id, **kwargs):
+            steps.setdefault(request_id.split("~")[0], []).append(res.metrics.last_token_ts)
+            yield res
+
+    got: dict = {}
+    run(host, "alone", PROMPT, BACKGROUND, got, 160)
+    monkeypatch.setattr(host._llm, "generate", recorded)
+    decoding = threading.Event()
+    bg = threading.Thread(target=run, args=(host, "decoding", PROMPT, BACKGROUND, got, 160),
+                          kwargs={"on_delta": lambda d: d.token_ids and decoding.set()})
+    bg.start()
+    assert decoding.wait(60)
+    run(host, "person", "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", INTERACTIVE, got, 4)
+    bg.join()
+    first = steps["person"][0]
+    background = steps["decoding"]
+    assert min(background) < first < max(background)  # it was decoding before and after ...
+    assert first not in background  # ... but not in the person's step
+    assert got["decoding"]["finish"] == "length" and got["decoding"]["tokens"] == 160
+    assert got["decoding"]["text"] == got["alone"]["text"]  # greedy: the step it sat out changed nothing
+
+
 PROMPT = "<|im_start|>user\nWrite about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 
