@@ -60,7 +60,7 @@ class ControlListener(Step):
                     message = pubsub.get_message(timeout=1.0)
                     if message and message["type"] == "message":
                         if message["channel"] == FOLLOWED.encode():
-                            ctx.heard({hinted(message["data"]): 1})
+                            ctx.heard({hinted(message["data"]): 1}, time.monotonic())
                         else:
                             ctx.cancel(hinted(message["data"]))
             except (redis.RedisError, OSError):

@@ -153,13 +153,13 @@ class WorkerContext:
     def cancel(self, response_id: str) -> None:
         self._stop(response_id, cancelled=True)
 
-    def heard(self, audience: dict[str, int]) -> None:
-        """How many live followers each response's last publish reached (a follower's hint: 1): its
-        stream paces its windows by it (worker.gate.Deltas.audience)."""
+    def heard(self, audience: dict[str, int], at: float) -> None:
+        """How many live followers each response's publish sent at ``at`` reached (a follower's hint,
+        heard at ``at``: 1): its stream paces its windows by it (worker.gate.Deltas.audience)."""
         for response_id, listeners in audience.items():
             entry = self.attempts.get(response_id)
             if entry is not None and entry.deltas is not None:
-                entry.deltas.audience(listeners)
+                entry.deltas.audience(listeners, at)
 
     def lose(self, attempt: Attempt, write_error: dict | None = None) -> None:
         """The attempt can no longer write (fenced, or its events were refused): stop generating."""

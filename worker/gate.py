@@ -87,6 +87,7 @@ class Deltas:
         self._quiet = None if quiet is None or quiet <= window else \
             (quiet, max(max_tokens, int(max_tokens * quiet / window)) if window else max_tokens)
         self.followed = self._quiet is None  # until a publish says otherwise (``audience``)
+        self._heard_at = float("-inf")  # when the report ``followed`` comes from was sent or heard
         self._cond = threading.Condition(threading.Lock())
         self._items: list[Delta | BaseException] = []
         self._tokens = 0
@@ -105,13 +106,21 @@ class Deltas:
             if self._items:  # put before this: their window needs its timer
                 self._loop.call_soon_threadsafe(self._arm)
 
-    def audience(self, listeners: int) -> None:
-        """(Any thread.) How many live followers the stream's last publish reached (or a follower's
-        hint, 1): none makes the windows after this one quiet; some end the current window now."""
+    def audience(self, listeners: int, at: float) -> None:
+        """(Any thread.) How many live followers the stream's publish sent at ``at`` reached (or a
+        follower's hint, 1, heard at ``at``; monotonic): none makes the windows after this one quiet;
+        some end the current window now. A report older than one already applied is stale: a publish
+        sent just before a follower subscribed counts none, and its reply can come after the hint."""
         followed = listeners > 0
-        if self._quiet is None or followed == self.followed:
+        if self._quiet is None:
             return
-        self.followed = followed
+        with self._cond:
+            if at < self._heard_at:
+                return
+            self._heard_at = at
+            if followed == self.followed:
+                return
+            self.followed = followed
         if followed and self._loop is not None:
             self._loop.call_soon_threadsafe(self._now_followed)
 

@@ -35,8 +35,8 @@ class WriterDead(RuntimeError):
 class EventWriter:
     def __init__(self, sessions, publisher: Publisher, on_lost, stop: threading.Event, heard=None):
         """``on_lost(attempt, write_error)``: the attempt's events were refused (write_error None: it was
-        fenced; else the problem it fails with). ``heard(audience)``: how many live followers each
-        response's published batch reached (``Publisher.publish_many``)."""
+        fenced; else the problem it fails with). ``heard(audience, sent)``: how many live followers each
+        response's published batch reached (``Publisher.publish_many``), sent at monotonic ``sent``."""
         self.sessions = sessions
         engine = sessions.kw["bind"]
         # On Postgres a group commit is one statement, run as its own transaction (lifecycle.append_on).
@@ -142,9 +142,10 @@ class EventWriter:
                     grouped[attempt].append(event)
             accepted = self._commit(grouped) if grouped else []
             metrics.EVENTS_WRITTEN.inc(sum(len(grouped[a]) for a in accepted))
+            sent = time.monotonic()
             audience = self.publisher.publish_many({a.response_id: grouped[a] for a in accepted})
             if audience and self.heard is not None:
-                self.heard(audience)
+                self.heard(audience, sent)
             now = time.time()
             with self._cond:
                 for attempt in accepted:

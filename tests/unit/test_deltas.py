@@ -173,7 +173,7 @@ def test_unfollowed_windows_are_quiet_and_a_follower_gets_what_is_pending_at_onc
     quiet = list(taken)
     assert not quiet, quiet
     told = time.monotonic()
-    out.audience(1)
+    out.audience(1, told)
     time.sleep(0.15)
     # What was pending went at once, though no token came to close its window.
     assert len(taken) == len(quiet) + 1 and taken[-1][0] - told < 0.1, (taken, told)
@@ -187,5 +187,18 @@ def test_unfollowed_windows_are_quiet_and_a_follower_gets_what_is_pending_at_onc
 def test_a_stream_without_a_quiet_window_ignores_its_audience(loop):
     out = Deltas(window=0.05, loop=loop)
     assert out.followed
-    out.audience(0)
+    out.audience(0, time.monotonic())
     assert out.followed
+
+
+def test_a_publish_sent_before_a_followers_hint_does_not_quiet_its_stream_again(loop):
+    """A publish sent just before a follower subscribed reaches nobody, and its reply can be heard after
+    that follower's hint: older news than the hint, so the stream stays paced as followed."""
+    out = Deltas(window=0.05, loop=loop, quiet=2.0)
+    assert not out.followed
+    sent = time.monotonic()
+    out.audience(1, sent + 0.001)  # the hint, heard after the publish went out
+    out.audience(0, sent)  # that publish's reply
+    assert out.followed
+    out.audience(0, sent + 0.002)  # a later publish reaching nobody: the follower has left
+    assert not out.followed
