@@ -22,8 +22,14 @@ def client_socket(environ):
 
 
 def can_detach(environ) -> bool:
-    # HTTP/1.0 has no chunked encoding: its stream holds a request thread, written plain until the close.
-    return client_socket(environ) is not None and environ.get("SERVER_PROTOCOL") != "HTTP/1.0"
+    return client_socket(environ) is not None
+
+
+def chunked(environ) -> bool:
+    """Whether a handed-over stream's body is chunked: HTTP/1.0 has no chunked coding, so its body is
+    written plain and ends when the connection closes (an HTTP/1.0 proxy, nginx's default upstream
+    protocol, is a client of that kind)."""
+    return environ.get("SERVER_PROTOCOL") != "HTTP/1.0"
 
 
 class Handover(Response):
@@ -44,7 +50,8 @@ class Handover(Response):
         else:
             # One stream a connection; chunked, so a client reading by size gets each frame at once.
             headers["Connection"] = "close"
-            headers["Transfer-Encoding"] = "chunked"
+            if chunked(environ):
+                headers["Transfer-Encoding"] = "chunked"
         head = f"HTTP/1.1 {self.status}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.to_wsgi_list())
         try:
             sock.sendall((head + "\r\n").encode("latin-1"))

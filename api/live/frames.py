@@ -37,7 +37,7 @@ def ws_accept(key: str) -> str:
 class Batch:
     """Events in seq order, and their frames, encoded once however many followers send them."""
 
-    __slots__ = ("events", "final", "contiguous", "_sse", "_ws")
+    __slots__ = ("events", "final", "contiguous", "_sse", "_chunked", "_ws")
 
     def __init__(self, events: list[Event]):
         self.events = events
@@ -45,15 +45,20 @@ class Batch:
         if not FINAL.isdisjoint(map(itemgetter(1), events)):
             self.final = next(i for i, e in enumerate(events) if e[1] in FINAL)
         self.contiguous = events[-1][0] - events[0][0] == len(events) - 1
-        self._sse = self._ws = None
+        self._sse = self._chunked = self._ws = None
 
-    def encoded(self, ws: bool) -> bytes:
+    def encoded(self, ws: bool, chunked: bool) -> bytes:
+        """WebSocket frames (``ws``), else SSE, in a chunk of the body (``chunked``) or plain (HTTP/1.0)."""
         if ws:
             if self._ws is None:
                 self._ws = ws_text([ws_frame(*e) for e in self.events])
             return self._ws
+        if chunked:
+            if self._chunked is None:
+                self._chunked = chunk(self.encoded(False, False))
+            return self._chunked
         if self._sse is None:
-            self._sse = chunk(sse_many(self.events).encode())
+            self._sse = sse_many(self.events).encode()
         return self._sse
 
 

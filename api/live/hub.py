@@ -111,9 +111,10 @@ class Hub:
         topic = self._topics.get(follower.response_id)
         return topic is not None and topic.confirmed
 
-    def attach(self, sock: socket.socket, *, ws: bool, path: str, response_id: str, after: int, ended,
-               authorized, on_close: Callable[[], None]) -> None:
-        """Hand a client's socket (its response head written) to the fan-out thread as a task follower.
+    def attach(self, sock: socket.socket, *, ws: bool, chunked: bool, path: str, response_id: str, after: int,
+               ended, authorized, on_close: Callable[[], None]) -> None:
+        """Hand a client's socket (its response head written) to the fan-out thread as a task follower:
+        its frames WebSocket's (``ws``), else SSE in a chunked body (``chunked``) or a plain one (HTTP/1.0).
         This request's thread subscribes it and reads its first page of the log, as a thread per
         follower did: a connect storm's reads run on the request threads, not on the few readers."""
         sock.setblocking(False)
@@ -125,7 +126,8 @@ class Hub:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
         except (OSError, AttributeError):
             pass  # not TCP (a test's socket pair) or not Linux
-        follower = Follower(self, response_id, SocketSink(self.loop, self.settings, sock, ws, path, on_close))
+        follower = Follower(self, response_id, SocketSink(self.loop, self.settings, sock, ws, path, on_close,
+                                                          chunked))
         follower.setup(after, True, ended, authorized)
         follower.reading = True  # live batches wait in pending until the first page is in
         self.call(self._add, follower)
@@ -135,7 +137,7 @@ class Hub:
             page, final, ending = self.reads.ask(response_id, after, True, ended, None)
             first, error = Batch(page) if page else None, None
             if first is not None:
-                first.encoded(ws)
+                first.encoded(ws, chunked)
         except Exception as exc:  # noqa: BLE001 - the follower ends with an error event
             first, final, ending, error = None, False, None, exc
         self.call(self._attach, follower, first, final, ending, error)

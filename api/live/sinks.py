@@ -49,13 +49,15 @@ WS_CODES = {"unauthorized": 1008, "payload_too_large": 1009, "invalid_request": 
 class SocketSink:
     """A client socket owned by the fan-out thread (``loop``: api/live/loop.py)."""
 
-    __slots__ = ("loop", "settings", "sock", "ws", "path", "on_close", "follower", "out", "queued", "sent_at",
-                 "moved_at", "pinged", "pong", "ending", "fin_at", "writing")
+    __slots__ = ("loop", "settings", "sock", "ws", "chunked", "path", "on_close", "follower", "out", "queued",
+                 "sent_at", "moved_at", "pinged", "pong", "ending", "fin_at", "writing")
 
     def __init__(self, loop, settings: Settings, sock: socket.socket, ws: bool, path: str,
-                 on_close: Callable[[], None]):
+                 on_close: Callable[[], None], chunked: bool):
+        """``chunked``: an SSE body in chunks (HTTP/1.1); else plain, ended by the close (HTTP/1.0)."""
         self.loop, self.settings, self.sock, self.path, self.on_close = loop, settings, sock, path, on_close
         self.ws = WebSocket() if ws else None
+        self.chunked = chunked and not ws
         self.follower = None
         self.out: deque = deque()
         self.queued = 0
@@ -66,13 +68,13 @@ class SocketSink:
         self.writing = False
 
     def events(self, batch: Batch) -> None:
-        self.send(batch.encoded(self.ws is not None), framed=True)
+        self.send(batch.encoded(self.ws is not None, self.chunked), framed=True)
 
     def send(self, data: bytes, framed: bool = False) -> None:
-        """Queue ``data`` (an SSE body's chunk framing added unless ``framed``)."""
+        """Queue ``data`` (a chunked SSE body's chunk framing added unless ``framed``)."""
         if self.sock is None:
             return
-        if not (self.ws or framed):
+        if self.chunked and not framed:
             data = chunk(data)
         if self.out:
             self.out.append(data)
@@ -167,7 +169,8 @@ class SocketSink:
                 self.send(SHUTDOWN_NOTE.encode())
             elif how == FAILED:
                 self.send(stream_error(last, error_doc(exc, self.path)).encode())
-            self.send(LAST_CHUNK, framed=True)
+            if self.chunked:
+                self.send(LAST_CHUNK, framed=True)
         self._end()
 
     def _ws_goodbye(self, how: str, exc: BaseException | None, last: int) -> None:

@@ -11,7 +11,7 @@ from flask import Blueprint, Response, request, stream_with_context
 from api import params
 from api.auth import hold_follower, hold_stream, principal, still_authorized, streamed
 from api.extensions import services
-from api.handover import Handover, can_detach
+from api.handover import Handover, can_detach, chunked
 from api.live import SHUTDOWN_NOTE, ShuttingDown, follow, stream_error, ws_accept
 from api.operations import bare_answer, operation, ref, sse_answer
 from api.services.streams import ended_check, open_stream
@@ -45,10 +45,11 @@ def _open(task_id: str) -> tuple[str, str, int]:
 def _hand_over(task_id: str, response_id: str, after: int, *, ws: bool, status: int, headers: dict) -> Response:
     svc = services()
     ended, authorized, path = ended_check(svc, task_id), still_authorized(), request.path
+    chunks = not ws and chunked(request.environ)
 
     def take(sock, release):
-        svc.hub.attach(sock, ws=ws, path=path, response_id=response_id, after=after, ended=ended,
-                       authorized=authorized, on_close=release)
+        svc.hub.attach(sock, ws=ws, chunked=chunks, path=path, response_id=response_id, after=after,
+                       ended=ended, authorized=authorized, on_close=release)
 
     hold_follower()
     return Handover(take, status, headers)

@@ -389,6 +389,42 @@ def test_head_on_an_event_stream_answers_its_headers_and_no_stream(served):
     assert head("/lmsp/v1/tasks/task_01J8M8R5X3V7B2N4Q9T1W6Y0ZC/events")[0] == 404
 
 
+def test_http_1_0_followers_hold_no_request_thread(served):
+    """An HTTP/1.0 client (nginx's default protocol to its upstreams) is followed by the fan-out thread
+    like any other: more of them at once than the api has request threads all get their streams, and
+    the api still answers short requests."""
+    from common import eventlog, events
+    from common.db import make_engine, session_factory
+    from common.tokens import create_token
+
+    settings, ask = served  # 1 process x 4 threads
+    sessions = session_factory(make_engine(settings.db_url))
+    with sessions() as session:
+        task = factories.task(session, "running", owner="alice", model=MODEL)
+        eventlog.append(session, task.response_id, [
+            (1, "response.created", events.dumps({"response_id": task.response_id, "status": "in_progress"}))])
+        _, secret = create_token(session, "alice", ("tasks:read",))
+        session.commit()
+    followers = []
+    try:
+        for _ in range(3 * settings.api_threads):
+            conn = socket.create_connection(("127.0.0.1", settings.port), timeout=10)
+            conn.sendall(f"GET /lmsp/v1/tasks/{task.id}/events HTTP/1.0\r\n"
+                         f"Authorization: Bearer {secret}\r\n\r\n".encode())
+            followers.append(conn)
+        for conn in followers:
+            got = b""
+            while b"event: response.created" not in got:
+                data = conn.recv(65536)
+                assert data, got
+                got += data
+            assert got.split(b" ", 2)[1] == b"200" and b"Transfer-Encoding" not in got, got
+        assert ask(b"GET /healthz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")[0] == 200
+    finally:
+        for conn in followers:
+            conn.close()
+
+
 def test_an_http_1_0_client_gets_an_event_stream_it_can_read(served):
     """HTTP/1.0 has no chunked encoding: its stream comes plain and ends when the connection closes."""
     from common import eventlog, events

@@ -19,17 +19,18 @@ def _events(n: int, final: bool = False) -> list[tuple[int, str, str]]:
 
 def test_a_batch_is_one_sse_chunk_encoded_once():
     batch = Batch(_events(3))
-    data = batch.encoded(False)
-    assert data is batch.encoded(False)
+    data = batch.encoded(False, True)
+    assert data is batch.encoded(False, True)
     size, _, rest = data.partition(b"\r\n")
     assert int(size, 16) == len(rest) - 2 and rest.endswith(b"\r\n") and rest.count(b"id: ") == 3
+    assert batch.encoded(False, False) == rest[:-2]  # an HTTP/1.0 body: the same events, no chunk framing
     assert chunk(b"") == b"0\r\n\r\n" == LAST_CHUNK
 
 
 def test_a_batch_as_websocket_frames_reads_back_as_one_message_an_event():
     batch = Batch(_events(200, final=True))  # some frames over 125 bytes: 16-bit lengths
     client = Connection(ConnectionType.CLIENT)
-    client.receive_data(batch.encoded(True))
+    client.receive_data(batch.encoded(True, False))
     docs = [json.loads(e.data) for e in client.events() if isinstance(e, TextMessage)]
     assert [d["id"] for d in docs] == list(range(1, 202)) and docs[-1]["event"] == events.COMPLETED
     assert batch.final == 200 and batch.contiguous

@@ -128,7 +128,7 @@ def _sink(unit, **settings):
     server, peer = socket.socketpair()
     server.setblocking(False)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sink = SocketSink(Loop(), unit.settings.model_copy(update=settings), server, True, "/x", lambda: None)
+    sink = SocketSink(Loop(), unit.settings.model_copy(update=settings), server, True, "/x", lambda: None, False)
     sink.follower = Follower()
     return sink, peer
 
