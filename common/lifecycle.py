@@ -345,6 +345,13 @@ def claim(session: Session, task_id: str, worker_id: str, *, model: str | None =
     if task is None:
         if pg:
             claimed = _claim_queued(session, params, points, commit)
+            if claimed is None:
+                # The statement sees the tasks committed before it began, less the rows other claims hold.
+                # A claim that took this message's task can have had its own committed after that: its
+                # task was then left queued until the sweeper re-sent a message (a minute; 2 tasks in 40
+                # bursts of 64 here). A new statement sees it: a message claims nothing only when every
+                # queued task is another's.
+                claimed = _claim_queued(session, params, points, commit)
             return claimed, _changed(claimed)
         task = _claim_queued_orm(session, model if model is not None else _model_of(session, task_id), worker_id)
         if task is None:
