@@ -345,13 +345,6 @@ def claim(session: Session, task_id: str, worker_id: str, *, model: str | None =
     if task is None:
         if pg:
             claimed = _claim_queued(session, params, points, commit)
-            if claimed is None:
-                # The statement sees the tasks committed before it began, less the rows other claims hold.
-                # A claim that took this message's task can have had its own committed after that: its
-                # task was then left queued until the sweeper re-sent a message (a minute; 2 tasks in 40
-                # bursts of 64 here). A new statement sees it: a message claims nothing only when every
-                # queued task is another's.
-                claimed = _claim_queued(session, params, points, commit)
             return claimed, _changed(claimed)
         task = _claim_queued_orm(session, model if model is not None else _model_of(session, task_id), worker_id)
         if task is None:
@@ -378,8 +371,19 @@ def _changed(claimed: Claim | None) -> Publish:
 
 
 def _claim_queued(session: Session, params: dict, points: dict | None, commit: bool) -> Claim | None:
-    values = {**params, **(points or {})}
-    rows = fetch_batch(session, [(_CLAIM_QUEUED[points is not None], values)], commit=commit)[0]
+    step = (_CLAIM_QUEUED[points is not None], {**params, **(points or {})})
+    rows = fetch_batch(session, [step], commit=commit)[0]
+    if not rows:
+        # The statement sees the tasks committed before it began, less the rows other claims hold. A claim
+        # that took this message's task can have had its own committed after that: its task was then left
+        # queued until the sweeper re-sent a message (a minute; 2-6 tasks in 40 bursts of 64 here). A new
+        # statement sees it: a message claims nothing only when every queued task is another's. After a
+        # commit the caller's transaction is over, so the second look is a transaction of its own.
+        if commit:
+            with Session(session.get_bind()) as again:
+                rows = fetch_batch(again, [step], commit=True)[0]
+        else:
+            rows = fetch_batch(session, [step])[0]
     if not rows:
         return None
     split = len(TaskRow._fields)

@@ -302,7 +302,7 @@ def _burst(sessions, model: str, n: int) -> list:
 
     def consume():
         while (task_id := ids.get()) is not None:
-            with sessions() as session:
+            with transaction(sessions) as session:  # as the worker's claim runs (worker/runner.py)
                 claims.append(lifecycle.claim(session, task_id, "w", model=model, commit=True,
                                               points={"delivered_at": time.time()})[0])
 
