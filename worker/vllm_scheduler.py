@@ -4,8 +4,8 @@ on a CPU device; worker/engine.py). Imported in the engine's own process, by nam
 vLLM schedules the running requests first and the waiting ones with what budget is left, so a
 person's prompt always shares its step with every running decode. On a GPU that step costs about
 what the prompt alone does. On a CPU a step of 64 decodes costs more than the prompt's own step
-(115-140 ms against an idle first token of about 70 ms here), and the person waits for all of it:
-B6 was 3-4x the idle first token.
+(115-280 ms on these machines, against an idle first token of 70-120 ms), and the person waits for
+all of it: B6 was 3-4x the idle first token.
 
 So while a request more urgent than some running ones still has prompt to compute, those less
 urgent sit out the step. They keep their KV cache, their slot and their place, exactly as when a
