@@ -54,8 +54,8 @@ class Batch:
                 self._ws = ws_text([ws_frame(*e) for e in self.events])
             return self._ws
         if chunked:
-            if self._chunked is None:
-                self._chunked = chunk(self.encoded(False, False))
+            if self._chunked is None:  # the plain body is kept only if an HTTP/1.0 follower asked for it
+                self._chunked = chunk(self._sse if self._sse is not None else sse_many(self.events).encode())
             return self._chunked
         if self._sse is None:
             self._sse = sse_many(self.events).encode()
