@@ -96,7 +96,11 @@ class EngineHost(GatedHost):
                 os.environ.pop(name, None)  # set anew: the environment's last entry (see engine_markers)
                 os.environ[name] = value
         # Priority scheduling by default: a person's request (GenParams.priority) outranks tasks.
-        defaults = {"enforce_eager": True, "scheduling_policy": "priority"}
+        # vLLM's own stats off: the worker keeps its own metrics (worker/metrics.py), and vLLM's cost
+        # about a tenth of this process's CPU a token (its loggers, per-step and per-request stats). A
+        # model's engine args may turn them on again ("disable_log_stats": false): vllm:* metrics then
+        # join the worker's /metrics.
+        defaults = {"enforce_eager": True, "scheduling_policy": "priority", "disable_log_stats": True}
         if self._settings.resolved.get("device") == "cpu":
             # A person's prompt in a step of its own (worker/vllm_scheduler.py). On a GPU the step it
             # shares with the running decodes costs about what it does alone, and vLLM's own (async)

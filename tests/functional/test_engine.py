@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(not (CHECKPOINT / "config.json").exists(), reaso
 BACKGROUND, INTERACTIVE = 6, 0
 TOKENS = 48
 ENGINES = {
-    "vllm": {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 2},
+    # vLLM's stats on (the worker turns them off): a test reads each output's engine step from them.
+    "vllm": {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 2, "disable_log_stats": False},
     # Slow enough that a background request of TOKENS is still running when a person arrives.
     "sim": {"kind": "sim", "max_num_seqs": 2, "ttft_ms": 40, "tokens_per_s": 60, "tick_ms": 10},
 }
