@@ -58,14 +58,23 @@ def poll(svc: Services, principal: str, task_id: str, wait: float, given: ETags,
          on_wait: Callable[[], None]) -> tuple[str, wire.TaskObject | None]:
     """The task; with ``wait`` it is held until it differs from ``given`` (or from the task as it was
     when asked) or ``wait`` seconds pass; ``on_wait`` runs before it is held."""
-    task = read(svc, principal, task_id)
-    first = etag(task)
-    unchanged = given.contains_weak if given else first.__eq__  # given is empty when the header is absent
-    if wait and unchanged(first) and task.status not in TERMINAL:
-        on_wait()
-        task = _wait_for_change(svc, principal, task_id, task.response_id, unchanged, wait)
-    tag = etag(task)
+    response_id = _RESPONSE_OF.get((principal, task_id)) if wait and given else None
+    if response_id is not None:  # a task this process has read: subscribed first, read once
+        tag, task = _wait_for_change(svc, principal, task_id, response_id, given.contains_weak, wait, on_wait)
+    else:
+        task = read(svc, principal, task_id)
+        tag = etag(task)
+        unchanged = given.contains_weak if given else tag.__eq__  # given is empty when the header is absent
+        if wait and unchanged(tag) and task.status not in TERMINAL:
+            tag, task = _wait_for_change(svc, principal, task_id, task.response_id, unchanged, wait, on_wait)
     return tag, None if given.contains_weak(tag) else task
+
+
+# A task's response id never changes: a process that has read a task (for its principal) knows which
+# notices to subscribe to, so the client's next conditional long poll subscribes before its one read,
+# not after a read that tells it which (a poll cycle's reads: two, then one). Bounded: cleared when full.
+_RESPONSE_OF: dict[tuple[str, str], str] = {}
+_RESPONSE_OF_MAX = 100_000
 
 
 # The read a long poll repeats (its first look and each recheck): the task and its attempts joined, one
@@ -94,6 +103,9 @@ def read(svc: Services, principal: str, task_id: str) -> wire.TaskObject:
         task = driver_row(TaskRow, rows[0][:width], _TASK_JSON, conn.dialect.name == "postgresql")
         attempts = [AttemptRow._make(row[width:]) for row in rows if row[width] is not None]
         response = lifecycle.read_response(conn, task.response_id) if task.status == SUCCEEDED else None
+    if len(_RESPONSE_OF) >= _RESPONSE_OF_MAX:
+        _RESPONSE_OF.clear()
+    _RESPONSE_OF[principal, task.id] = task.response_id
     return _task(task, response, svc.registry, attempts)
 
 
@@ -101,25 +113,31 @@ def etag(task: wire.TaskObject) -> str:
     return hashlib.sha256(json.dumps(task.wire(), sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _wait_for_change(svc: Services, principal: str, task_id: str, response_id: str, unchanged,
-                     wait: float) -> wire.TaskObject:
+def _wait_for_change(svc: Services, principal: str, task_id: str, response_id: str, unchanged, wait: float,
+                     on_wait: Callable[[], None]) -> tuple[str, wire.TaskObject]:
+    """(ETag, task) once it differs (``unchanged`` false), ends, or ``wait`` passes; ``on_wait`` runs
+    before the first wait (a stream slot: a poll answered by its first read holds none)."""
     deadline = time.monotonic() + wait
+    waited = False
     with svc.hub.watch(response_id) as sub:
         while True:
-            # Read after subscribing: a change between the first read and the subscription is seen here.
+            # Read after subscribing: a change before the subscription is seen here.
             task = read(svc, principal, task_id)
-            read_at = time.monotonic()
+            tag, read_at = etag(task), time.monotonic()
             # Asked at each read: Redis going away is heard as a notice, and what changes while it is
             # away publishes none.
             recheck = WAIT_RECHECK_SECONDS if svc.hub.connected else WAIT_RECHECK_WITHOUT_REDIS
-            if not unchanged(etag(task)) or task.status in TERMINAL or read_at >= deadline:
-                return task
+            if not unchanged(tag) or task.status in TERMINAL or read_at >= deadline:
+                return tag, task
+            if not waited:
+                on_wait()
+                waited = True
             while (now := time.monotonic()) < min(deadline, read_at + recheck):
                 if sub.get(timeout=min(deadline, read_at + recheck) - now) is not None:
                     break  # a notice (or a reconnect, []): read the task again
             else:
                 if read_at + recheck > deadline:
-                    return task  # the wait is over and nothing was heard since this read: it stands
+                    return tag, task  # the wait is over and nothing was heard since this read: it stands
 
 
 def page(svc: Services, principal: str, states: list[str], limit: int, cursor: str | None,
