@@ -74,7 +74,7 @@ def poll(svc: Services, principal: str, task_id: str, wait: float, given: ETags,
 # notices to subscribe to, so the client's next conditional long poll subscribes before its one read,
 # not after a read that tells it which (a poll cycle's reads: two, then one). Bounded: cleared when full.
 _RESPONSE_OF: dict[tuple[str, str], str] = {}
-_RESPONSE_OF_MAX = 100_000
+_RESPONSE_OF_MAX = 20_000  # about 6 MB of keys and ids
 
 
 # The read a long poll repeats (its first look and each recheck): the task and its attempts joined, one
