@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from api.live.follower import ENDED, FAILED, GONE, SHUTDOWN, Follower, Watcher
 from api.live.frames import Batch, Event
 from api.live.loop import TICK_SECONDS, Loop
-from api.live.reads import LogReader
+from api.live.reads import PAGE, LogReader
 from api.live.sinks import Ended, QueueSink, SocketSink
 from api.live.topics import Listener, Topic
 from common.bus import Publisher, notices
@@ -130,9 +130,11 @@ class Hub:
                                                           chunked))
         follower.setup(after, True, ended, authorized)
         follower.reading = True  # live batches wait in pending until the first page is in
-        self.call(self._add, follower)
-        self.confirm(follower)
+        self.call(self._add, follower, after)
+        confirmed = self.confirm(follower)
         self.hint(response_id)  # subscribed first: what its worker sends at the hint is heard
+        if follower.began:
+            return  # its topic's recent events reached back to ``after`` (``_add``): no read
         try:
             page, final, ending = self.reads.ask(response_id, after, True, ended, None)
             first, error = Batch(page) if page else None, None
@@ -140,7 +142,9 @@ class Hub:
                 first.encoded(ws, chunked)
         except Exception as exc:  # noqa: BLE001 - the follower ends with an error event
             first, final, ending, error = None, False, None, exc
-        self.call(self._attach, follower, first, final, ending, error)
+        # Read once the subscription was live, and whole: what follows it is heard, so the topic keeps it.
+        seed = confirmed and first is not None and (final or len(first.events) < PAGE)
+        self.call(self._attach, follower, first, final, ending, error, seed)
 
     def start(self, follower: Follower, after: int, logged: bool, ended, authorized) -> None:
         follower.setup(after, logged, ended, authorized)
@@ -182,7 +186,9 @@ class Hub:
 
     # -- on the fan-out thread -------------------------------------------------------------------------
 
-    def _add(self, follower: Follower) -> None:
+    def _add(self, follower: Follower, after: int | None = None) -> None:
+        """``after``: a task follower attaching (``attach``), begun here when its topic's subscription is
+        live and its recent events reach back to ``after``."""
         rid = follower.response_id
         topic = self._topics.get(rid)
         if topic is None:
@@ -192,10 +198,21 @@ class Hub:
         topic.followers.add(follower)
         if isinstance(follower.sink, SocketSink):
             self.loop.register(follower.sink.sock, follower.sink)
+        if after is not None and topic.confirmed:
+            recent = topic.since(after)
+            if recent is not None:
+                self._attach(follower, recent[0], recent[1], None, None)
         if topic.confirmed or not self.connected:
             follower.confirmed.set()
 
-    def _attach(self, follower: Follower, first: Batch | None, final: bool, ending, error) -> None:
+    def _attach(self, follower: Follower, first: Batch | None, final: bool, ending, error,
+                seed: bool = False) -> None:
+        if follower.began:
+            return  # begun from its topic's recent events after all (its ``_add`` ran after a late confirm)
+        if seed:
+            topic = self._topics.get(follower.response_id)
+            if topic is not None and topic.confirmed:
+                topic.seed(first.events)
         follower.began = True
         if self.closing.is_set():
             follower.end(SHUTDOWN)
@@ -220,6 +237,7 @@ class Hub:
         if topic is None or not events:
             return
         events.sort()
+        topic.heard(events)
         batch = Batch(events)
         topic.head = max(topic.head, events[-1][0])
         topic.last_event = time.monotonic()
@@ -244,6 +262,7 @@ class Hub:
         """Redis came or went: each topic polls its log now for what the change may have lost."""
         for topic in self._topics.values():
             topic.confirmed = False
+            topic.forget_recent()
             if not self.connected:
                 self._begin_waiting(topic)
             topic.last_poll = topic.last_event = -1e9

@@ -14,17 +14,20 @@ from collections.abc import Callable
 import redis
 
 from api.live.follower import LIVE
-from common.bus import HUB, channel, decode, response_of
+from api.live.frames import Batch, Event
+from common.bus import HUB, NOTICES, channel, decode, response_of
+from common.events import FINAL
 
 log = logging.getLogger("lmsp.live")
 PING_SECONDS = 5.0         # the listener pings Redis this often; silence for 3 pings means it is gone
+RECENT_BYTES = 32 * 1024   # a topic's newest events kept (their data's length): a short task's whole log
 
 
 class Topic:
     """The followers of one response in this process, and the polls of its log (fan-out thread only)."""
 
     __slots__ = ("response_id", "followers", "head", "confirmed", "polling", "last_poll", "last_event",
-                 "last_ended", "waiting")
+                 "last_ended", "waiting", "recent", "recent_bytes")
 
     def __init__(self, response_id: str):
         self.response_id = response_id
@@ -34,10 +37,77 @@ class Topic:
         self.polling = False
         self.last_poll = self.last_event = self.last_ended = time.monotonic()
         self.waiting: list[tuple[float, object]] = []  # followers to begin once confirmed, with a deadline
+        # The newest contiguous run of the log's events heard since the subscription was confirmed (or read
+        # after it), RECENT_BYTES at most: what follows it comes on the channel, as to a live follower. A
+        # follower attaching within it is served from here, not by a read (a connect storm reads once).
+        # None for a notices topic: its events are not the log's.
+        self.recent: list[Event] | None = None if response_id.startswith(NOTICES) else []
+        self.recent_bytes = 0
 
     def sample(self):
         """A live follower, if any: while all of them read the log, their reads cover it."""
         return next((f for f in self.followers if f.state == LIVE and f.began), None)
+
+    def heard(self, events: list[Event]) -> None:
+        """Events published (or a poll's page), in seq order: the run goes on with them, or starts again
+        at a gap (what the channel lost is not in it)."""
+        run = self.recent
+        if run is None:
+            return
+        last = run[-1][0] if run else -1
+        if events[0][0] > last + 1:
+            run.clear()
+            self.recent_bytes, last = 0, events[0][0] - 1
+        for event in events:
+            if event[0] <= last:
+                continue  # heard before
+            if event[0] != last + 1:
+                run.clear()
+                self.recent_bytes = 0
+            run.append(event)
+            self.recent_bytes += len(event[2])
+            last = event[0]
+        self._trim()
+
+    def seed(self, page: list[Event]) -> None:
+        """A log page read after the subscription was confirmed, up to the log's end then (not cut at a
+        page's length): what comes after it is heard, so it goes in front of the run if they meet."""
+        run = self.recent
+        if run is None or not page or page[-1][0] - page[0][0] != len(page) - 1:
+            return
+        if run and page[-1][0] + 1 < run[0][0]:
+            return  # the run heard since starts after a gap: it stays as it is
+        end = page[-1][0]
+        self.recent = [*page, *(event for event in run if event[0] > end)]
+        self.recent_bytes = sum(len(event[2]) for event in self.recent)
+        self._trim()
+
+    def _trim(self) -> None:
+        run, drop = self.recent, 0
+        while self.recent_bytes > RECENT_BYTES and drop < len(run) - 1:
+            self.recent_bytes -= len(run[drop][2])
+            drop += 1
+        if drop:
+            del run[:drop]
+
+    def since(self, after: int) -> tuple[Batch | None, bool] | None:
+        """The events after ``after`` from the run, up to the final one, and whether the stream ends with
+        them; None when the run does not reach back to ``after``."""
+        run = self.recent
+        if not run or not run[0][0] <= after + 1 <= run[-1][0] + 1:
+            return None
+        events = run[after + 1 - run[0][0]:]
+        if not events:
+            return None, run[-1][1] in FINAL
+        batch = Batch(events)
+        if batch.final >= 0:
+            return (batch if batch.final == len(events) - 1 else Batch(events[:batch.final + 1])), True
+        return batch, False
+
+    def forget_recent(self) -> None:
+        """Redis came or went: what was published meanwhile may be lost to the run."""
+        if self.recent is not None:
+            self.recent, self.recent_bytes = [], 0
 
 
 class Listener:

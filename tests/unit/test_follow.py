@@ -274,3 +274,66 @@ def test_a_follower_that_is_not_read_falls_back_to_the_log_and_holds_its_bound(u
     alice.log(task, [script[-1]], first=40)
     seqs = [seq for batch in stream if batch for seq, _, _ in batch]
     assert [1, *seqs] == list(range(1, 41))
+
+
+class _Listener:
+    """A Redis subscription that is up: the test calls the hub's confirm and delivery, as it would."""
+    connected = True
+
+    def subscribe(self, rid):
+        pass
+
+    def unsubscribe(self, rid):
+        pass
+
+
+def _attach(hub, rid: str, after: int):
+    """A task follower handed over on a socket pair, attached on its own thread as a request's; the
+    client's end, read to EOF by ``_ids``."""
+    import socket
+    server, peer = socket.socketpair()
+    peer.settimeout(10)
+    attaching = threading.Thread(target=hub.attach, args=(server,), kwargs=dict(
+        ws=False, chunked=False, path="/t", response_id=rid, after=after, ended=_running, authorized=None,
+        on_close=lambda: None), daemon=True)
+    attaching.start()
+    return peer, attaching
+
+
+def _ids(peer) -> list[int]:
+    got = b""
+    while chunk := peer.recv(65536):
+        got += chunk
+    peer.close()
+    return [int(line[4:]) for line in got.split(b"\n") if line.startswith(b"id: ")]
+
+
+def test_followers_attaching_within_a_live_topics_recent_events_are_served_without_a_read(unit, alice):
+    """Issue 38 (F2, B4): the first follower of a task reads its log once its subscription is live; the
+    topic keeps that page and what it hears after it, so later followers that resume within it (from 0,
+    from the middle, at the head) read nothing, and each still gets every event once, in order, to the
+    final one."""
+    hub = _hub(unit)
+    hub.listener = _Listener()
+    task = alice.task("running")
+    rid, script = task.response_id, _script(task.response_id)
+    alice.log(task, script[:3])
+    asked, ask = [], hub.reads.ask
+    hub.reads.ask = lambda rid_, after, *rest: asked.append(after) or ask(rid_, after, *rest)
+    first, attaching = _attach(hub, rid, 0)
+    time.sleep(0.2)
+    hub.call(hub._confirmed, rid)  # Redis confirms the subscription
+    attaching.join(5)
+    assert asked == [0]
+    numbered = events.Sequence(3).number(script[3:5])
+    alice.log(task, script[3:5], first=4)
+    hub.call(hub._deliver, rid, list(numbered))  # published after its commit
+    time.sleep(0.2)
+    later = [_attach(hub, rid, after) for after in (0, 2, 5)]
+    for _, thread in later:
+        thread.join(5)
+    assert asked == [0]  # none of them read the log
+    alice.log(task, script[5:], first=6)
+    hub.call(hub._deliver, rid, list(events.Sequence(5).number(script[5:])))
+    assert _ids(first) == [1, 2, 3, 4, 5, 6]
+    assert [_ids(peer) for peer, _ in later] == [[1, 2, 3, 4, 5, 6], [3, 4, 5, 6], [6]]
