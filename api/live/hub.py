@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 import redis
 from sqlalchemy.engine import Engine
 
+from api.live import reads
 from api.live.follower import ENDED, FAILED, GONE, SHUTDOWN, Follower, Watcher
 from api.live.frames import Batch, Event
 from api.live.loop import TICK_SECONDS, Loop
-from api.live.reads import PAGE, LogReader
 from api.live.sinks import Ended, QueueSink, SocketSink
-from api.live.topics import Listener, Topic
+from api.live.topics import Listener, Recent, Topic
 from common.bus import Publisher, notices
 from common.settings import Settings
 
@@ -41,8 +41,9 @@ class ShuttingDown(Exception):
 class Hub:
     """One per api process: see the module. Other threads hand the fan-out thread work with ``call``."""
 
-    def __init__(self, settings: Settings, reads: Engine, publisher: Publisher | None = None):
-        """``publisher``: the process's, for the hints to workers (``hint``); else one of its own."""
+    def __init__(self, settings: Settings, engine: Engine, publisher: Publisher | None = None):
+        """``engine``: the followers' reads' (``db.autocommit``'s); ``publisher``: the process's, for the
+        hints to workers (``hint``); else one of its own."""
         self.settings = settings
         self._topics: dict[str, Topic] = {}
         self.closing = threading.Event()  # set on SIGTERM (api/__init__.py)
@@ -50,7 +51,7 @@ class Hub:
         self.listener: Listener | None = None  # (the loop's thread asks it from its start)
         self.loop = Loop(self._poll_topics, self._tick, self._poll_every, self._failed)
         self.call = self.loop.call
-        self.reads = LogReader(reads, self.call)
+        self.reads = reads.LogReader(engine, self.call)
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=1
                                       ) if settings.redis_url else None
         self.listener = Listener(client, self.call, self._deliver, self._confirmed, self._transport_changed
@@ -130,11 +131,17 @@ class Hub:
                                                           chunked))
         follower.setup(after, True, ended, authorized)
         follower.reading = True  # live batches wait in pending until the first page is in
-        self.call(self._add, follower, after)
+        self.call(self._add, follower)
         confirmed = self.confirm(follower)
         self.hint(response_id)  # subscribed first: what its worker sends at the hint is heard
-        if follower.began:
-            return  # its topic's recent events reached back to ``after`` (``_add``): no read
+        topic = self._topics.get(response_id) if confirmed else None
+        recent = topic.recent if topic is not None and follower in topic.followers else None
+        plan = recent.plan(follower, after) if recent is not None else (Recent.READ,)
+        if plan[0] == Recent.SERVED:  # its topic's recent events reach back to ``after``: no read
+            self.call(self._attach, follower, plan[1], plan[2], None, None)
+            return
+        if plan[0] == Recent.WAIT:
+            return  # the read in flight for its topic serves it (``_attach``)
         try:
             page, final, ending = self.reads.ask(response_id, after, True, ended, None)
             first, error = Batch(page) if page else None, None
@@ -142,9 +149,9 @@ class Hub:
                 first.encoded(ws, chunked)
         except Exception as exc:  # noqa: BLE001 - the follower ends with an error event
             first, final, ending, error = None, False, None, exc
-        # Read once the subscription was live, and whole: what follows it is heard, so the topic keeps it.
-        seed = confirmed and first is not None and (final or len(first.events) < PAGE)
-        self.call(self._attach, follower, first, final, ending, error, seed)
+        seed = recent if plan[0] == Recent.SEED else None
+        whole = first is not None and (final or len(first.events) < reads.PAGE)  # the log up to its end then
+        self.call(self._attach, follower, first, final, ending, error, seed, whole)
 
     def start(self, follower: Follower, after: int, logged: bool, ended, authorized) -> None:
         follower.setup(after, logged, ended, authorized)
@@ -186,9 +193,7 @@ class Hub:
 
     # -- on the fan-out thread -------------------------------------------------------------------------
 
-    def _add(self, follower: Follower, after: int | None = None) -> None:
-        """``after``: a task follower attaching (``attach``), begun here when its topic's subscription is
-        live and its recent events reach back to ``after``."""
+    def _add(self, follower: Follower) -> None:
         rid = follower.response_id
         topic = self._topics.get(rid)
         if topic is None:
@@ -198,21 +203,20 @@ class Hub:
         topic.followers.add(follower)
         if isinstance(follower.sink, SocketSink):
             self.loop.register(follower.sink.sock, follower.sink)
-        if after is not None and topic.confirmed:
-            recent = topic.since(after)
-            if recent is not None:
-                self._attach(follower, recent[0], recent[1], None, None)
         if topic.confirmed or not self.connected:
             follower.confirmed.set()
 
     def _attach(self, follower: Follower, first: Batch | None, final: bool, ending, error,
-                seed: bool = False) -> None:
-        if follower.began:
-            return  # begun from its topic's recent events after all (its ``_add`` ran after a late confirm)
-        if seed:
-            topic = self._topics.get(follower.response_id)
-            if topic is not None and topic.confirmed:
-                topic.seed(first.events)
+                seed: Recent | None = None, whole: bool = False) -> None:
+        """A follower's first page (read, or from its topic's recent events); ``seed``: the recent events
+        its read was to seed (``whole``: it may), and whose waiting followers go on from them."""
+        if seed is not None:
+            for waiter in seed.seeded(first.events if whole else None):
+                recent = seed.since(waiter.seq.last)
+                if recent is None:
+                    waiter.begin()  # its point is not among them: it reads the log
+                else:
+                    self._attach(waiter, *recent, None, None)
         follower.began = True
         if self.closing.is_set():
             follower.end(SHUTDOWN)
@@ -237,7 +241,8 @@ class Hub:
         if topic is None or not events:
             return
         events.sort()
-        topic.heard(events)
+        if topic.recent is not None:
+            topic.recent.heard(events)
         batch = Batch(events)
         topic.head = max(topic.head, events[-1][0])
         topic.last_event = time.monotonic()
@@ -262,7 +267,8 @@ class Hub:
         """Redis came or went: each topic polls its log now for what the change may have lost."""
         for topic in self._topics.values():
             topic.confirmed = False
-            topic.forget_recent()
+            if topic.recent is not None:
+                topic.recent.forget()
             if not self.connected:
                 self._begin_waiting(topic)
             topic.last_poll = topic.last_event = -1e9

@@ -23,77 +23,90 @@ PING_SECONDS = 5.0         # the listener pings Redis this often; silence for 3 
 RECENT_BYTES = 32 * 1024   # a topic's newest events kept (their data's length): a short task's whole log
 
 
-class Topic:
-    """The followers of one response in this process, and the polls of its log (fan-out thread only)."""
+class Recent:
+    """A topic's newest contiguous run of the log's events, RECENT_BYTES at most: heard on the channel
+    since its subscription was confirmed, or read after that (a ``seed``). What follows the run comes on
+    the channel, as to a live follower, so a follower attaching within it is served from here instead of
+    by a log read; while the one read that seeds it is in flight, followers attaching after its point
+    wait for it (``plan``): a connect storm on one task reads its log once. Request threads plan, the
+    fan-out thread hears and seeds: under the run's lock."""
 
-    __slots__ = ("response_id", "followers", "head", "confirmed", "polling", "last_poll", "last_event",
-                 "last_ended", "waiting", "recent", "recent_bytes")
+    __slots__ = ("lock", "events", "bytes", "waiting", "seed_after", "generation", "seed_generation")
+    SERVED, WAIT, READ, SEED = "served", "wait", "read", "seed"
 
-    def __init__(self, response_id: str):
-        self.response_id = response_id
-        self.followers: set = set()
-        self.head = 0           # the highest seq this process has sent any follower of it
-        self.confirmed = False  # Redis confirmed the subscription
-        self.polling = False
-        self.last_poll = self.last_event = self.last_ended = time.monotonic()
-        self.waiting: list[tuple[float, object]] = []  # followers to begin once confirmed, with a deadline
-        # The newest contiguous run of the log's events heard since the subscription was confirmed (or read
-        # after it), RECENT_BYTES at most: what follows it comes on the channel, as to a live follower. A
-        # follower attaching within it is served from here, not by a read (a connect storm reads once).
-        # None for a notices topic: its events are not the log's.
-        self.recent: list[Event] | None = None if response_id.startswith(NOTICES) else []
-        self.recent_bytes = 0
-
-    def sample(self):
-        """A live follower, if any: while all of them read the log, their reads cover it."""
-        return next((f for f in self.followers if f.state == LIVE and f.began), None)
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.events: list[Event] = []
+        self.bytes = 0
+        self.waiting: list | None = None  # followers waiting for the seed in flight (None: none in flight)
+        self.seed_after = 0
+        self.generation = self.seed_generation = 0  # a transport change makes a seed in flight worthless
 
     def heard(self, events: list[Event]) -> None:
         """Events published (or a poll's page), in seq order: the run goes on with them, or starts again
         at a gap (what the channel lost is not in it)."""
-        run = self.recent
-        if run is None:
-            return
-        last = run[-1][0] if run else -1
-        if events[0][0] > last + 1:
-            run.clear()
-            self.recent_bytes, last = 0, events[0][0] - 1
-        for event in events:
-            if event[0] <= last:
-                continue  # heard before
-            if event[0] != last + 1:
+        with self.lock:
+            run = self.events
+            last = run[-1][0] if run else -1
+            if events[0][0] > last + 1:
                 run.clear()
-                self.recent_bytes = 0
-            run.append(event)
-            self.recent_bytes += len(event[2])
-            last = event[0]
-        self._trim()
+                self.bytes, last = 0, events[0][0] - 1
+            for event in events:
+                if event[0] <= last:
+                    continue  # heard before
+                if event[0] != last + 1:
+                    run.clear()
+                    self.bytes = 0
+                run.append(event)
+                self.bytes += len(event[2])
+                last = event[0]
+            self._trim()
 
-    def seed(self, page: list[Event]) -> None:
-        """A log page read after the subscription was confirmed, up to the log's end then (not cut at a
-        page's length): what comes after it is heard, so it goes in front of the run if they meet."""
-        run = self.recent
-        if run is None or not page or page[-1][0] - page[0][0] != len(page) - 1:
-            return
-        if run and page[-1][0] + 1 < run[0][0]:
-            return  # the run heard since starts after a gap: it stays as it is
-        end = page[-1][0]
-        self.recent = [*page, *(event for event in run if event[0] > end)]
-        self.recent_bytes = sum(len(event[2]) for event in self.recent)
-        self._trim()
+    def plan(self, follower, after: int) -> tuple:
+        """How an attaching follower (in the topic, its subscription confirmed) gets the events after
+        ``after``: (SERVED, batch or None, final) from the run; WAIT for the seed in flight (``seeded``
+        serves it); SEED: read the log, then ``seeded`` with the page; READ: read the log."""
+        with self.lock:
+            recent = self._since(after)
+            if recent is not None:
+                return (self.SERVED, *recent)
+            if self.waiting is None:
+                self.waiting, self.seed_after, self.seed_generation = [], after, self.generation
+                return (self.SEED,)
+            if after >= self.seed_after:
+                self.waiting.append(follower)
+                return (self.WAIT,)
+            return (self.READ,)
 
-    def _trim(self) -> None:
-        run, drop = self.recent, 0
-        while self.recent_bytes > RECENT_BYTES and drop < len(run) - 1:
-            self.recent_bytes -= len(run[drop][2])
-            drop += 1
-        if drop:
-            del run[:drop]
+    def seeded(self, page: list[Event] | None) -> list:
+        """The seed's read came back: ``page``, read whole (up to the log's end then, not cut at a page's
+        length), goes in front of the run if they meet (None: not whole, or failed). Returns the followers
+        that waited for it, for ``since``."""
+        with self.lock:
+            run = self.events
+            if page and self.seed_generation == self.generation and page[-1][0] - page[0][0] == len(page) - 1 \
+                    and not (run and page[-1][0] + 1 < run[0][0]):  # after a gap the run stays as it is
+                end = page[-1][0]
+                self.events = [*page, *(event for event in run if event[0] > end)]
+                self.bytes = sum(len(event[2]) for event in self.events)
+                self._trim()
+            waiting, self.waiting = self.waiting or [], None
+            return waiting
 
     def since(self, after: int) -> tuple[Batch | None, bool] | None:
-        """The events after ``after`` from the run, up to the final one, and whether the stream ends with
-        them; None when the run does not reach back to ``after``."""
-        run = self.recent
+        with self.lock:
+            return self._since(after)
+
+    def forget(self) -> None:
+        """Redis came or went: what was published meanwhile may be lost to the run."""
+        with self.lock:
+            self.events, self.bytes = [], 0
+            self.generation += 1
+
+    def _since(self, after: int) -> tuple[Batch | None, bool] | None:
+        """The events after ``after``, up to the final one, and whether the stream ends with them; None
+        when the run does not reach back to ``after``."""
+        run = self.events
         if not run or not run[0][0] <= after + 1 <= run[-1][0] + 1:
             return None
         events = run[after + 1 - run[0][0]:]
@@ -104,10 +117,36 @@ class Topic:
             return (batch if batch.final == len(events) - 1 else Batch(events[:batch.final + 1])), True
         return batch, False
 
-    def forget_recent(self) -> None:
-        """Redis came or went: what was published meanwhile may be lost to the run."""
-        if self.recent is not None:
-            self.recent, self.recent_bytes = [], 0
+    def _trim(self) -> None:
+        run, drop = self.events, 0
+        while self.bytes > RECENT_BYTES and drop < len(run) - 1:
+            self.bytes -= len(run[drop][2])
+            drop += 1
+        if drop:
+            del run[:drop]
+
+
+class Topic:
+    """The followers of one response in this process, and the polls of its log (fan-out thread only;
+    ``recent`` is shared with request threads under its lock)."""
+
+    __slots__ = ("response_id", "followers", "head", "confirmed", "polling", "last_poll", "last_event",
+                 "last_ended", "waiting", "recent")
+
+    def __init__(self, response_id: str):
+        self.response_id = response_id
+        self.followers: set = set()
+        self.head = 0           # the highest seq this process has sent any follower of it
+        self.confirmed = False  # Redis confirmed the subscription
+        self.polling = False
+        self.last_poll = self.last_event = self.last_ended = time.monotonic()
+        self.waiting: list[tuple[float, object]] = []  # followers to begin once confirmed, with a deadline
+        # None for a notices topic: its events are not the log's.
+        self.recent: Recent | None = None if response_id.startswith(NOTICES) else Recent()
+
+    def sample(self):
+        """A live follower, if any: while all of them read the log, their reads cover it."""
+        return next((f for f in self.followers if f.state == LIVE and f.began), None)
 
 
 class Listener:

@@ -87,6 +87,44 @@ def test_hundreds_of_followers_on_four_threads_get_every_event_once(small, sessi
             [order for order in followers.order.values() if order != list(range(1, 13))][:3]
 
 
+def test_followers_joining_a_live_task_anywhere_get_every_event_once(small, sessions):
+    """Issue 38: followers that connect while a task runs and others follow it (from its start, from the
+    middle, at its head; SSE and WebSocket) are served from their topic's recent events where those reach
+    back to their point; each gets every event after it once, in order, to the final one."""
+    base, port, token = small
+    tid, rid = _task(sessions)
+    publisher = Publisher(REDIS_URL)
+    first = Followers(port, f"/lmsp/v1/tasks/{tid}/events", token, 10, ws=False)
+    deadline = time.monotonic() + 15
+    while len(first.first) < 10 and time.monotonic() < deadline:
+        first.pump(0.1)
+    for seq in range(2, 7):
+        _write(sessions, publisher, rid, events.Sequence(seq - 1).number([events.TextDelta(
+            response_id=rid, output_index=0, item_id="m", delta=f"{seq} ")]))
+        first.pump(0.05)
+    joined = {after: (Followers(port, f"/lmsp/v1/tasks/{tid}/events?after={after}", token, 10, ws=False),
+                      Followers(port, f"/lmsp/v1/tasks/{tid}/ws?after={after}", token, 10, ws=True))
+              for after in (0, 3, 6)}
+    groups = [first, *(f for pair in joined.values() for f in pair)]
+    deadline = time.monotonic() + 15
+    while any(len(g.status) < 10 for g in groups) and time.monotonic() < deadline:
+        for g in groups:
+            g.pump(0.05)
+    for seq in range(7, 12):
+        _write(sessions, publisher, rid, events.Sequence(seq - 1).number([events.TextDelta(
+            response_id=rid, output_index=0, item_id="m", delta=f"{seq} ")]))
+        for g in groups:
+            g.pump(0.02)
+    _write(sessions, publisher, rid, events.Sequence(11).number([events.final(
+        rid, "completed", usage={"input_tokens": 1, "output_tokens": 10, "total_tokens": 11})]))
+    for g in groups:
+        g.pump(10)
+    for after, g in [(0, first), *((a, g) for a, pair in joined.items() for g in pair)]:
+        assert len(g.closed) == 10, (after, g.status)
+        assert all(order == list(range(after + 1, 13)) for order in g.order.values()), \
+            (after, [order for order in g.order.values() if order != list(range(after + 1, 13))][:2])
+
+
 def test_a_follower_that_stops_reading_is_cut_and_resumes_from_the_log(small, sessions):
     base, port, token = small
     tid, rid = _task(sessions)
