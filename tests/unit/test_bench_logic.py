@@ -144,7 +144,7 @@ def _fleet_step(**cpu):
     return {"workers": 4, "saturated": None, "rows_per_s": 1000.0, "tokens_per_s": 8000.0, "wal_bytes_per_event": 900,
             "cpu_s_per_1k_events": {"worker": 1.0, "postgres": 0.3, "redis": 0.03, "api": 0.5,
                                     "api_per_follower": 0.2, "client": 0.1, **cpu},
-            "lag_ms": [10.0, 50.0], "claim_ms": [5.0, 20.0], "lost": 0, "duplicated": 0, "out_of_order": 0,
+            "lag_ms": [10.0, 50.0], "claim_ms": [5.0, 20.0], "claims_per_s": 30.0, "start_ms": [15.0, 200.0], "lost": 0, "duplicated": 0, "out_of_order": 0,
             "finals_wrong": 0, "unfinished": 0, "followers": 10}
 
 
@@ -180,7 +180,7 @@ def test_the_fleet_sizes_a_cluster_from_its_reports_costs_and_a_followers_cost_f
 
 def _phase(api: float, rows: int, delivered: int = 0) -> dict:
     return {"rows_all": rows, "rows": rows, "tokens": 480_000, "steady_seconds": 60.0, "seconds": 60.0,
-            "delivered_in_window": delivered, "lag_ms": [10.0, 50.0], "claim_ms": [5.0, 20.0], "post_p99_ms": 100.0,
+            "delivered_in_window": delivered, "lag_ms": [10.0, 50.0], "claim_ms": [5.0, 20.0], "claims_per_s": 30.0, "start_ms": [15.0, 200.0], "post_p99_ms": 100.0,
             "cpu": {"worker": 6.0, "postgres": 2.0, "redis": 0.2, "api": api, "client": 1.0, "seconds": 60.0},
             "wal_bytes": 900 * rows, "tasks_per_s_target": 10.0, "tasks_per_s_offered": 10.0, "queued_at_end": 0,
             "followers_n": 10, "killed": None, "directs_ok": 1, "directs": 1, "long_polls_ok": 1, "long_polls": 1,
@@ -222,3 +222,15 @@ def test_a_threads_cpu_goes_to_its_name_and_a_pools_threads_count_as_one():
     assert set(used) == {"lmsp-busy", "ThreadPoolExecutor", "lmsp-lane", "MainThread"}, used
     assert min(used["lmsp-busy"], used["ThreadPoolExecutor"], used["lmsp-lane"]) > 0.05, used
     assert used["MainThread"] < 0.05, used
+
+
+def test_f5_is_the_claims_own_latency_at_32_workers_and_names_it_below_them():
+    from tests.bench.fleet import Table, goals
+    table = Table()
+    goals(table, [_fleet_step()], None, None, True, None, None)
+    f5 = next(r for r in table.rows if r["id"] == "F5")
+    assert f5["status"] == "FAIL" and f5["value"] == "32 workers not reached"
+    assert "claimed_at to submitted_at" in f5["note"] and "N=4: p50/p99 5.0/20.0 ms at 30.0 claims/s" in f5["note"]
+    table = Table()
+    goals(table, [_fleet_step(), {**_fleet_step(), "workers": 32, "claim_ms": [4.0, 40.0]}], None, None, True, None, None)
+    assert next(r for r in table.rows if r["id"] == "F5")["value"] == "40.0 ms"
