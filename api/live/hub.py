@@ -214,7 +214,7 @@ class Hub:
             for waiter in seed.seeded(first.events if whole else None):
                 recent = seed.since(waiter.seq.last)
                 if recent is None:
-                    waiter.begin()  # its point is not among them: it reads the log
+                    self._begin(waiter)  # its point is not among them: it reads the log
                 else:
                     self._attach(waiter, *recent, None, None)
         follower.began = True

@@ -20,7 +20,9 @@ from common.events import FINAL
 
 log = logging.getLogger("lmsp.live")
 PING_SECONDS = 5.0         # the listener pings Redis this often; silence for 3 pings means it is gone
-RECENT_BYTES = 32 * 1024   # a topic's newest events kept (their data's length): a short task's whole log
+# A topic's newest events kept (their data's length): a short task's whole log (200 tokens: 5-12 KiB), or a
+# long one's last seconds. Bounded for a process whose followers each follow a task of their own.
+RECENT_BYTES = 16 * 1024
 
 
 class Recent:

@@ -337,3 +337,29 @@ def test_followers_attaching_within_a_live_topics_recent_events_are_served_witho
     hub.call(hub._deliver, rid, list(events.Sequence(5).number(script[5:])))
     assert _ids(first) == [1, 2, 3, 4, 5, 6]
     assert [_ids(peer) for peer, _ in later] == [[1, 2, 3, 4, 5, 6], [3, 4, 5, 6], [6]]
+
+
+def test_a_storm_of_followers_on_one_task_reads_its_log_once(unit, alice):
+    """Issue 38 (F2, B4): followers that connect together, before the task's subscription is even
+    confirmed, make one log read between them: the first to plan reads, the others wait for its page."""
+    hub = _hub(unit)
+    hub.listener = _Listener()
+    task = alice.task("running")
+    rid, script = task.response_id, _script(task.response_id)
+    alice.log(task, script[:3])
+    asked, ask = [], hub.reads.ask
+
+    def slow_ask(rid_, after, *rest):  # a read that takes a while: the others come while it runs
+        asked.append(after)
+        time.sleep(0.3)
+        return ask(rid_, after, *rest)
+    hub.reads.ask = slow_ask
+    storm = [_attach(hub, rid, 0) for _ in range(8)]
+    time.sleep(0.2)
+    hub.call(hub._confirmed, rid)
+    for _, thread in storm:
+        thread.join(5)
+    assert asked == [0]
+    alice.log(task, script[3:], first=4)
+    hub.call(hub._deliver, rid, list(events.Sequence(3).number(script[3:])))
+    assert [_ids(peer) for peer, _ in storm] == [[1, 2, 3, 4, 5, 6]] * 8
