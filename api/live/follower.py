@@ -153,10 +153,9 @@ class Follower:
         """A log read came back: its page, whether the final event is in it, and (asked when the page
         was empty) the events that end the stream another way (``ended()``), or what it raised.
 
-        A full page that comes while the sink is under its low-water mark (its reader keeps up) has the
-        next page read while it is framed and sent: the database's time overlaps ours and the socket's.
-        That page waits in ``ahead`` if the reader has fallen behind meanwhile, so a replay holds at most
-        one page more than it sends."""
+        A full page that comes while the sink is idle (its reader keeps up) has the next page read
+        while it is framed and sent: the database's time overlaps ours. That page waits in ``ahead`` if
+        the reader has fallen behind meanwhile, so a replay holds at most one page more than it sends."""
         self.reading = False
         if self.state == ENDED:
             return
@@ -174,7 +173,7 @@ class Follower:
             page = batch.events
             self.seq.last = page[-1][0]
             self.hub.advanced(self.response_id, self.seq.last)
-            if len(page) >= reads.PAGE and not final and not self.reread and self.sink.wants_more():
+            if len(page) >= reads.PAGE and not final and not self.reread and self.sink.idle():
                 self._read(ask_ended=True)  # the next page, while this one goes out
                 self.ahead = READING_AHEAD
                 self.sink.events(batch)

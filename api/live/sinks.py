@@ -147,6 +147,10 @@ class SocketSink:
         """Whether a replay's next page may be read: less than the low-water mark is unsent."""
         return self.queued < self.settings.follower_buffer_bytes // 2
 
+    def idle(self) -> bool:
+        """Nothing is unsent: its reader keeps up (a replay reads its next page ahead)."""
+        return not self.out
+
     def behind(self) -> bool:
         """More is unsent than the bound: live batches are left to the log."""
         return self.queued > self.settings.follower_buffer_bytes
@@ -312,8 +316,9 @@ class QueueSink:
                 self.cond.notify()
 
     def wants_more(self) -> bool:
-        """Its reader took every batch: nothing waits."""
         return not self.items
+
+    idle = wants_more  # its reader took every batch: nothing waits
 
     def behind(self) -> bool:
         return self.queued > self.settings.follower_buffer_bytes
