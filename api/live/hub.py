@@ -241,7 +241,7 @@ class Hub:
         if topic is None or not events:
             return
         events.sort()
-        if topic.recent is not None:
+        if topic.recent is not None and topic.confirmed:  # a poll's page while Redis is away is not heard
             topic.recent.heard(events)
         batch = Batch(events)
         topic.head = max(topic.head, events[-1][0])
