@@ -308,18 +308,31 @@ def _ids(peer) -> list[int]:
     return [int(line[4:]) for line in got.split(b"\n") if line.startswith(b"id: ")]
 
 
+def _counted(unit, alice, delay: float = 0.0):
+    """A hub whose Redis subscription is up (``_Listener``), a running task whose log holds its first 3
+    events, and the points its log reads were asked from (each taking ``delay`` seconds)."""
+    hub = _hub(unit)
+    hub.listener = _Listener()
+    task = alice.task("running")
+    script = _script(task.response_id)
+    alice.log(task, script[:3])
+    asked, ask = [], hub.reads.ask
+
+    def counted(rid, after, *rest):
+        asked.append(after)
+        time.sleep(delay)
+        return ask(rid, after, *rest)
+    hub.reads.ask = counted
+    return hub, task, script, asked
+
+
 def test_followers_attaching_within_a_live_topics_recent_events_are_served_without_a_read(unit, alice):
     """Issue 38 (F2, B4): the first follower of a task reads its log once its subscription is live; the
     topic keeps that page and what it hears after it, so later followers that resume within it (from 0,
     from the middle, at the head) read nothing, and each still gets every event once, in order, to the
     final one."""
-    hub = _hub(unit)
-    hub.listener = _Listener()
-    task = alice.task("running")
-    rid, script = task.response_id, _script(task.response_id)
-    alice.log(task, script[:3])
-    asked, ask = [], hub.reads.ask
-    hub.reads.ask = lambda rid_, after, *rest: asked.append(after) or ask(rid_, after, *rest)
+    hub, task, script, asked = _counted(unit, alice)
+    rid = task.response_id
     first, attaching = _attach(hub, rid, 0)
     time.sleep(0.2)
     hub.call(hub._confirmed, rid)  # Redis confirms the subscription
@@ -342,18 +355,8 @@ def test_followers_attaching_within_a_live_topics_recent_events_are_served_witho
 def test_a_storm_of_followers_on_one_task_reads_its_log_once(unit, alice):
     """Issue 38 (F2, B4): followers that connect together, before the task's subscription is even
     confirmed, make one log read between them: the first to plan reads, the others wait for its page."""
-    hub = _hub(unit)
-    hub.listener = _Listener()
-    task = alice.task("running")
-    rid, script = task.response_id, _script(task.response_id)
-    alice.log(task, script[:3])
-    asked, ask = [], hub.reads.ask
-
-    def slow_ask(rid_, after, *rest):  # a read that takes a while: the others come while it runs
-        asked.append(after)
-        time.sleep(0.3)
-        return ask(rid_, after, *rest)
-    hub.reads.ask = slow_ask
+    hub, task, script, asked = _counted(unit, alice, delay=0.3)  # the others come while the read runs
+    rid = task.response_id
     storm = [_attach(hub, rid, 0) for _ in range(8)]
     time.sleep(0.2)
     hub.call(hub._confirmed, rid)
