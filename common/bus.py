@@ -29,14 +29,11 @@ def channel(response_id: str) -> str:
     return CHANNEL + response_id
 
 
-NOTICES = "notices:"
-
-
 def notices(response_id: str) -> str:
     """The topic (a channel with ``channel``) of ``response_id``'s notices: a batch's last event not of
     ``TEXT_ONLY`` (its data left out), for every batch that holds one, and ``CHANGED`` for an empty one
     (api/live/hub.py ``watch``)."""
-    return NOTICES + response_id
+    return "notices:" + response_id
 
 
 def response_of(channel_name: str | bytes) -> str:

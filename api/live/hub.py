@@ -131,7 +131,7 @@ class Hub:
                                                           chunked))
         follower.setup(after, True, ended, authorized)
         follower.reading = True  # live batches wait in pending until the first page is in
-        self.call(self._add, follower)
+        self.call(self._add, follower, True)
         confirmed = self.confirm(follower)
         self.hint(response_id)  # subscribed first: what its worker sends at the hint is heard
         topic = self._topics.get(response_id) if confirmed else None
@@ -193,13 +193,16 @@ class Hub:
 
     # -- on the fan-out thread -------------------------------------------------------------------------
 
-    def _add(self, follower: Follower) -> None:
+    def _add(self, follower: Follower, attaching: bool = False) -> None:
+        """``attaching``: a task follower (``attach``): its topic keeps its recent events from now on."""
         rid = follower.response_id
         topic = self._topics.get(rid)
         if topic is None:
             topic = self._topics[rid] = Topic(rid)
             if self.listener is not None:
                 self.listener.subscribe(rid)
+        if attaching and topic.recent is None:
+            topic.recent = Recent()
         topic.followers.add(follower)
         if isinstance(follower.sink, SocketSink):
             self.loop.register(follower.sink.sock, follower.sink)

@@ -15,7 +15,7 @@ import redis
 
 from api.live.follower import LIVE
 from api.live.frames import Batch, Event
-from common.bus import HUB, NOTICES, channel, decode, response_of
+from common.bus import HUB, channel, decode, response_of
 from common.events import FINAL
 
 log = logging.getLogger("lmsp.live")
@@ -50,9 +50,6 @@ class Recent:
         with self.lock:
             run = self.events
             last = run[-1][0] if run else -1
-            if events[0][0] > last + 1:
-                run.clear()
-                self.bytes, last = 0, events[0][0] - 1
             for event in events:
                 if event[0] <= last:
                     continue  # heard before
@@ -143,8 +140,8 @@ class Topic:
         self.polling = False
         self.last_poll = self.last_event = self.last_ended = time.monotonic()
         self.waiting: list[tuple[float, object]] = []  # followers to begin once confirmed, with a deadline
-        # None for a notices topic: its events are not the log's.
-        self.recent: Recent | None = None if response_id.startswith(NOTICES) else Recent()
+        # Made when a task follower attaches (``Hub._add``): a direct stream's or a long poll's topic keeps none.
+        self.recent: Recent | None = None
 
     def sample(self):
         """A live follower, if any: while all of them read the log, their reads cover it."""
