@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, f
 
 from common import events
 from common.errors import LMSPError, problem
-from common.protocol import JsonSchema, Name, Strict, TokenCount, parse
+from common.protocol import JsonSchema, Name, ParallelToolCalls, Strict, TokenCount, parse
 
 log = logging.getLogger("lmsp.api")
 DONE = "data: [DONE]\n\n"
@@ -153,8 +153,7 @@ class ChatRequest(Strict):
     logprobs: Literal[False] | None = Field(default=None, description="The engine path gives no log probabilities")
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
-    parallel_tool_calls: Literal[True] | None = Field(
-        default=None, description="A turn may call several tools; one cannot be forced to call one only")
+    parallel_tool_calls: ParallelToolCalls | None = None
     response_format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
                                Field(discriminator="type")] | None = None
     user: StrictStr | None = None  # an end-user id for the client's own records: not read
@@ -275,8 +274,10 @@ def finish(status: int, body: str) -> tuple[int, str]:
 class Chunks:
     """A response's events (6.3) as ``chat.completion.chunk`` SSE frames, one event at a time."""
 
-    def __init__(self, model: str, include_usage: bool):
-        self.model, self.include_usage = model, include_usage
+    def __init__(self, model: str, include_usage: bool, calls_only: bool = False):
+        """``calls_only``: tool_choice required or named, so the message has tool calls and no content
+        (null, as in the completion, not the "" of a message that may yet get text)."""
+        self.model, self.include_usage, self.calls_only = model, include_usage, calls_only
         self.created = int(time.time())
         self.calls = 0
         self.id = ""
@@ -295,7 +296,7 @@ class Chunks:
         data = json.loads(data_json)
         self.id = data.get("response_id", self.id)
         if name == events.CREATED:
-            return self._chunk({"role": "assistant", "content": ""})
+            return self._chunk({"role": "assistant", "content": None if self.calls_only else ""})
         if name == events.TEXT_DELTA:
             return self._chunk({"content": data["delta"]})
         if name == events.ITEM_DONE and data["item"]["type"] == "function_call":

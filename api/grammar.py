@@ -5,7 +5,8 @@ constrain to an ``anyOf`` of the tools) is compiled by the worker's grammar back
 (vLLM's default), on threads every tenant shares. So before a request is accepted:
 
 1. static limits: values in the schema, its nesting, and its anyOf/oneOf branches (a nested
-   alternation counts once per enclosing branch: that product is what explodes);
+   alternation counts once per enclosing branch: that product is what explodes); and an instance of
+   finite size (common/finite.py: a generation held to an endless schema never ends valid);
 2. the backend's own compile, once per (checkpoint, schema), in a helper process with a timeout
    (api/grammar_pool.py): a schema xgrammar cannot handle, or cannot compile in time, is
    ``400 invalid_request`` here rather than ``generation_failed`` later;
@@ -34,6 +35,7 @@ from itertools import accumulate
 
 from api.grammar_pool import Helper, HelperPool, Unavailable
 from common.errors import LMSPError
+from common.finite import has_finite_instance
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.grammar")
@@ -64,6 +66,14 @@ def check_budget(schema, param: str, settings: Settings) -> None:
                     stack.append((member, depth + 1, weight))
         elif isinstance(value, list):
             stack.extend((m, depth + 1, weight) for m in value)
+
+
+def check_finite(schema, param: str) -> None:
+    """A schema whose every instance nests without end could never be completed (common/finite.py)."""
+    if not has_finite_instance(schema):
+        raise LMSPError("invalid_request", f"{param} has no JSON value of finite size: every instance nests "
+                        "without end (a required member, or an item, that must again be the same schema)",
+                        param=param)
 
 
 def _refuse(param: str, why: str) -> None:

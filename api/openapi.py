@@ -6,14 +6,12 @@ name, the requests as validated (common/protocol.py) and the answers as serializ
 so the document cannot drift from what the api does.
 """
 
-import re
-
 from flask import Blueprint, Flask, current_app
 from pydantic.json_schema import models_json_schema
 
-from api.operations import HEADERS, PARAMETERS, Operation, media_answer, operation
+from api.operations import HEADERS, PARAMETERS, Operation, media_answer, operation, path_template
+from api.problems import ALL_CODES
 from common import events, wire
-from common.errors import CODES
 from common.tokens import RESERVED_SCOPES, SCOPES
 from common.wire import API, VERSION
 
@@ -33,8 +31,8 @@ def operations(app: Flask) -> list[tuple[str, str, Operation]]:
         described = getattr(app.view_functions[rule.endpoint], "operation", None)
         if described is None:
             raise RuntimeError(f"route {rule.rule} ({rule.endpoint}) has no @operation (api/operations.py)")
-        template = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
-        out += [(template, method.lower(), described) for method in sorted(rule.methods - {"HEAD", "OPTIONS"})]
+        out += [(path_template(rule.rule), method.lower(), described)
+                for method in sorted(rule.methods - {"HEAD", "OPTIONS"})]
     return out
 
 
@@ -48,7 +46,7 @@ def _schemas(described: list[Operation]) -> dict:
     _, doc = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in answers],
                                 by_alias=True, ref_template=REF)
     schemas = {**doc["$defs"], **event_schemas}
-    codes = ", ".join(f"`{code}` ({c.status})" for code, c in CODES.items())
+    codes = ", ".join(f"`{code}` ({c.status})" for code, c in ALL_CODES.items())
     schemas["Problem"]["properties"]["code"]["description"] += f": {codes}."
     return schemas
 

@@ -6,19 +6,25 @@ api/openapi.py assembles the document from the app's registered routes; a route 
 operation is refused there. Parameters and headers are shared by name (``PARAMETERS``, ``HEADERS``).
 """
 
+import re
 from dataclasses import dataclass
 from functools import wraps
 
 from pydantic import BaseModel
 
 from api.auth import check_scope
+from api.problems import ALL_CODES
 from common import events
-from common.errors import CODES
 from common.states import STATES
 from common.wire import VERSION
 
 PROBLEM_JSON = "application/problem+json"
 SSE = "text/event-stream"
+
+
+def path_template(rule: str) -> str:
+    """A werkzeug rule as OpenAPI (and the spec) write a path: /tasks/<task_id> -> /tasks/{task_id}."""
+    return re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule)
 
 
 def ref(name: str, kind: str = "schemas") -> dict:
@@ -150,8 +156,8 @@ BODY_ERRORS = ((413, "payload_too_large", "Body larger than the limit (default 1
 
 def problem_answer(status: int, *codes: str, note: str = "") -> dict:
     for code in codes:
-        if CODES[code].status != status:
-            raise RuntimeError(f"{code} is a {CODES[code].status}, not a {status}")
+        if ALL_CODES[code].status != status:
+            raise RuntimeError(f"{code} is a {ALL_CODES[code].status}, not a {status}")
     headers = []
     if status in RETRY or "idempotency_key_in_use" in codes:
         headers.append("Retry-After")
@@ -171,9 +177,11 @@ def problems(extra: tuple = (), auth: bool = True) -> dict:
     groups: dict[int, tuple[list, list]] = {
         400: (["unsupported_version"], []),
         # HTTP's own refusals, answered by gunicorn before any route (api/serve.py): RFC 9112 3 says a
-        # request-target too long to parse MUST be a 414. No LMSP code: `about:blank`.
-        414: ([], ["The request line is longer than 4094 bytes: send fewer or shorter query parameters."]),
-        431: ([], ["A header is longer than 8190 bytes, or there are more than 100."]),
+        # request-target too long to parse MUST be a 414.
+        414: (["uri_too_long"], ["The request line is longer than 4094 bytes: send fewer or shorter query "
+                                 "parameters."]),
+        431: (["request_header_fields_too_large"], ["A header is longer than 8190 bytes, or there are more "
+                                                    "than 100."]),
     }
     if auth:
         groups[401] = (["unauthorized"], ["Missing, unknown or revoked token."])
@@ -184,7 +192,7 @@ def problems(extra: tuple = (), auth: bool = True) -> dict:
     for status, *items in extra:
         codes, notes = groups.setdefault(status, ([], []))
         for item in items:
-            (codes if item in CODES else notes).append(item)
+            (codes if item in ALL_CODES else notes).append(item)
     groups.setdefault(500, (["server_error"], []))
     return {str(status): problem_answer(status, *dict.fromkeys(codes), note=" ".join(notes))
             for status, (codes, notes) in sorted(groups.items())}

@@ -33,3 +33,17 @@ def arg(name: str) -> str | None:
         raise LMSPError("invalid_request", f"Query parameter {name} is given {len(values)} times; give it once",
                         param=name)
     return values[0] if values else None
+
+
+def resume_point(query: str) -> int:
+    """Where a stream resumes (6.4): the query parameter ``query`` wins over ``Last-Event-ID``, the header an
+    SSE client sends again by itself when it reconnects; 0 (from the start) without either."""
+    raw, param = arg(query), query
+    if not raw:
+        raw, param = request.headers.get("Last-Event-ID"), "Last-Event-ID"
+    if raw is None or raw == "":
+        return 0
+    after = integer(raw)
+    if after is None:
+        raise LMSPError("invalid_request", f"{param} must be a non-negative integer event id", param=param)
+    return after

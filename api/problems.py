@@ -4,20 +4,34 @@ import json
 import logging
 import re
 
-from flask import Flask, Response, request
+from flask import Flask, Response, current_app, request
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.routing import WebsocketMismatch
 
-from common.errors import CODES, LMSPError, Problem
+from api.body import refuse_too_large
+from common.errors import CODES, Code, LMSPError, Problem
 from common.wire import VERSION
 
 log = logging.getLogger("lmsp.api")
 _SPOKEN = re.compile(r"1(\.[0-9]+)?")  # any 1.x: minor versions only add
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
-               415: "unsupported_media_type", 400: "invalid_request", 500: "server_error"}
+
+# HTTP's own refusals (werkzeug's, gunicorn's) that 9.3 has no code for, named in the same form so that
+# every problem's type is /lmsp/v1/errors#<code>. By status, not by reason phrase: werkzeug's 414 is
+# "Request URI Too Long", gunicorn's "URI Too Long", and a client must see one code.
+HTTP_CODES: dict[str, Code] = {
+    "precondition_failed": Code(412, "Precondition failed"),
+    "uri_too_long": Code(414, "URI too long"),
+    "range_not_satisfiable": Code(416, "Range not satisfiable"),
+    "expectation_failed": Code(417, "Expectation failed"),
+    "request_header_fields_too_large": Code(431, "Request header fields too large"),
+}
+ALL_CODES = {**CODES, **HTTP_CODES}  # every code a problem document of the api can carry
+_BY_STATUS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
+              415: "unsupported_media_type", 500: "server_error",
+              **{code.status: name for name, code in HTTP_CODES.items()}}
 
 
 def problem_response(doc: Problem, headers: dict | None = None, body: str | None = None) -> Response:
@@ -41,16 +55,44 @@ def error_response(exc: LMSPError) -> Response:
     return problem_response(exc.as_problem(instance=request.path), headers)
 
 
-def status_problem(status: int, name: str, detail: str, instance: str | None = None) -> Problem:
-    """A problem document for an HTTP status: its LMSP code where it has one, else RFC 9457's about:blank."""
-    if status in _HTTP_CODES:
-        return Problem.of(_HTTP_CODES[status], detail, instance=instance)
-    return Problem(type="about:blank", title=name, status=status, code=name.lower().replace(" ", "_"),
-                   detail=detail, instance=instance)
+def status_problem(status: int, reason: str, detail: str, instance: str | None = None) -> Problem:
+    """The problem document of an HTTP status werkzeug or gunicorn answers: its code of ``ALL_CODES``, or for
+    a status none has, a code made of its reason phrase ("I'm a teapot" -> ``i_m_a_teapot``)."""
+    code = _BY_STATUS.get(status) or re.sub(r"[^a-z0-9]+", "_", reason.lower()).strip("_")
+    known = ALL_CODES.get(code)
+    return Problem(type=f"/lmsp/v1/errors#{code}", title=known.title if known else reason, status=status,
+                   code=code, detail=detail, instance=instance)
 
 
-def _unnamed(status: int, name: str, detail: str) -> Response:
-    return problem_response(status_problem(status, name, detail, instance=request.path))
+def _allowed(exc: HTTPException) -> list[str] | None:
+    """A 405's Allow: the methods of the path that take a request like this one (an upgrade or not).
+    werkzeug lists every route's, so a plain GET /lmsp/v1/responses (GET is its WebSocket mode; POST takes
+    plain requests) was refused with an Allow that listed GET."""
+    methods = getattr(exc, "valid_methods", None)
+    if not methods:
+        return None
+    adapter = current_app.create_url_adapter(request)
+
+    def takes(method: str) -> bool:
+        try:
+            adapter.match(method=method)
+        except MethodNotAllowed:
+            return False
+        except HTTPException:  # (WebsocketMismatch: taken, as the other kind: its answer says how)
+            return True
+        return True
+    return sorted(method for method in methods if takes(method))
+
+
+def _upgrade_detail() -> str:
+    if request.environ.get("HTTP_UPGRADE", "").lower() != "websocket":
+        return (f"{request.method} {request.path} is served only as a WebSocket upgrade (Connection: Upgrade, "
+                "Upgrade: websocket)")
+    from api.operations import path_template  # here, not above: api.operations imports this module
+
+    routes = sorted(f"{method} {path_template(rule.rule)}" for rule in current_app.url_map.iter_rules()
+                    if rule.websocket for method in rule.methods - {"HEAD", "OPTIONS"})
+    return f"Only {' and '.join(routes)} take a WebSocket upgrade"
 
 
 def init_app(app: Flask) -> None:
@@ -69,18 +111,10 @@ def _check_requests(app: Flask) -> None:
 
     @app.before_request
     def _body_size():
-        # Before authentication. A body up to twice the limit is read and dropped, so a keep-alive
-        # client gets its 413 and can go on (gunicorn closes a connection whose body was left
-        # unread); a larger one is refused at once, unread: nobody gets to make us read 16 MiB.
-        limit = app.config["MAX_CONTENT_LENGTH"]
+        # Before authentication, as declared: a chunked body's size is known only once read (api/body.py).
         length = request.content_length
-        if length is not None and length > limit:
-            if length <= 2 * limit:
-                stream = request.environ["wsgi.input"]
-                while length > 0 and (chunk := stream.read(min(length, 65536))):
-                    length -= len(chunk)
-            raise LMSPError("payload_too_large", f"The body is {request.content_length} bytes; the limit "
-                            f"is {limit}")
+        if length is not None and length > app.config["MAX_CONTENT_LENGTH"]:
+            refuse_too_large(length)
 
     @app.after_request
     def _stamp(resp: Response) -> Response:
@@ -88,8 +122,9 @@ def _check_requests(app: Flask) -> None:
             # An answer werkzeug makes itself, not through an error handler: a static file's failed
             # If-Match (412) or unsatisfiable Range (416) comes with the file's own body and type.
             status = resp.status_code
-            resp = _unnamed(status, HTTP_STATUS_CODES.get(status, "Error"), "A precondition or range of "
-                            "this request does not hold")
+            resp = problem_response(status_problem(status, HTTP_STATUS_CODES.get(status, "Error"), "A "
+                                                   "precondition or range of this request does not hold",
+                                                   instance=request.path))
         resp.headers["LMSP-Version"] = VERSION
         return resp
 
@@ -102,18 +137,16 @@ def _answer_problems(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):
-        code = _HTTP_CODES.get(exc.code)
-        if code is None:
-            return _unnamed(exc.code, exc.name, exc.description)
+        if isinstance(exc, WebsocketMismatch):  # werkzeug's own words blame "the browser (or proxy)"
+            if request.method == "OPTIONS":  # what Flask answers on every other route
+                return app.make_default_options_response()
+            return problem_response(Problem.of("invalid_request", _upgrade_detail(), instance=request.path))
         detail = {404: f"No route {request.path}; the API lives under /lmsp/v1",
                   405: f"{request.method} is not allowed on {request.path}",
                   413: "The request body is larger than the limit"}.get(exc.code, exc.description)
-        if isinstance(exc, WebsocketMismatch):  # werkzeug's own words blame "the browser (or proxy)"
-            detail = ("Only GET /lmsp/v1/tasks/{task_id}/ws takes a WebSocket upgrade" if request.environ.get(
-                "HTTP_UPGRADE", "").lower() == "websocket" else "This route takes only a WebSocket upgrade "
-                "(Connection: Upgrade, Upgrade: websocket); GET .../events streams the same events over SSE")
-        headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
-        return problem_response(Problem.of(code, detail, instance=request.path), headers)
+        allowed = _allowed(exc)
+        headers = {"Allow": ", ".join(allowed)} if allowed else None
+        return problem_response(status_problem(exc.code, exc.name, detail, instance=request.path), headers)
 
     @app.errorhandler(DBAPIError)
     @app.errorhandler(PoolTimeout)

@@ -2,11 +2,14 @@
 the test harness and the bench all start."""
 
 import json
+import socket
 import sys
+import time
 
 from gunicorn import util
 from gunicorn.http.errors import UnsupportedTransferCoding
 from gunicorn.workers.gthread import ThreadWorker
+from werkzeug.exceptions import RequestTimeout
 
 from api import live
 from api.handover import DETACH
@@ -23,6 +26,15 @@ def gunicorn_argv(settings: Settings) -> list[str]:
             "--no-control-socket", "api.wsgi:app"]
 
 
+# A request is read on one of the pool's threads, blocking: a client that sends part of its headers (or
+# body) and stops would hold that thread for good, and a few dozen such connections, no token needed,
+# would hold them all. So a request has HEAD_SECONDS for its line and headers (gunicorn's wait of up to
+# 5 s for the first byte included) and its body as much again plus a second for every BODY_RATE bytes
+# it declares (1 MiB: 64 s more); then the read side of its socket is shut, which ends the blocked read.
+HEAD_SECONDS = 15.0
+BODY_RATE = 16 * 1024
+
+
 class Worker(ThreadWorker):
     """gthread, whose own answers to what never reaches the app (a request line or headers too large, a
     malformed request) are problem documents with LMSP-Version too (9.1, 9.3), not gunicorn's HTML; and
@@ -32,6 +44,9 @@ class Worker(ThreadWorker):
     def init_process(self) -> None:
         util.write_error = write_problem  # the one function gunicorn's handle_error answers with
         self.detached: set = set()  # sockets a view took: gunicorn must neither close nor reuse them
+        self.reading: dict = {}  # socket -> when the read of its request is cut (monotonic)
+        self.cut: set = set()  # sockets whose read side that watch shut, while their request is handled
+        self.body_limit = Settings().max_body_bytes
         super().init_process()
 
     def load_wsgi(self) -> None:
@@ -43,8 +58,52 @@ class Worker(ThreadWorker):
             # request line's (SERVER_PROTOCOL); HTTP_VERSION would be a client's own "Version:" header.
             if not self.cfg.is_ssl and environ.get("SERVER_PROTOCOL") in ("HTTP/1.0", "HTTP/1.1"):
                 environ[DETACH] = self.detached.add
+            self._watch_body(environ)
             return app(environ, start_response)
         self.wsgi = wsgi
+
+    def enqueue_req(self, conn) -> None:
+        """(The main thread: a new connection, or bytes on a kept-alive one.) The request's time runs from
+        here, its wait for a thread included: a queue of stalled requests must not delay the cut."""
+        self.reading[conn.sock] = time.monotonic() + HEAD_SECONDS
+        super().enqueue_req(conn)
+
+    def handle(self, conn):
+        try:
+            return super().handle(conn)
+        finally:
+            self.reading.pop(conn.sock, None)
+            self.cut.discard(conn.sock)
+
+    def _watch_body(self, environ) -> None:
+        """The head is read: the body's own time, or none (a view without a body may run for hours)."""
+        sock = environ["gunicorn.socket"]
+        self.reading.pop(sock, None)
+        length = environ.get("CONTENT_LENGTH")
+        declared = int(length) if length and length.isdigit() else None
+        if declared == 0 or (declared is None and not environ.get("wsgi.input_terminated")):
+            return
+        seconds = HEAD_SECONDS + min(declared or self.body_limit, 2 * self.body_limit) / BODY_RATE
+        if sock not in self.cut:  # (a head that waited past its time for a thread: its body cannot come)
+            self.reading[sock] = time.monotonic() + seconds
+
+        def done() -> bool:
+            self.reading.pop(sock, None)
+            return sock in self.cut
+        environ["wsgi.input"] = _WatchedBody(environ["wsgi.input"], declared, seconds, done)
+
+    def murder_pending(self) -> None:
+        """(The main thread, at least once a second.) Cut the reads of requests past their time."""
+        super().murder_pending()
+        now = time.monotonic()
+        for sock, deadline in list(self.reading.items()):
+            if deadline < now and self.reading.pop(sock, None) is not None:
+                self.log.info("request not read in time: its connection is closed")
+                self.cut.add(sock)
+                try:
+                    sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass  # the client is gone already
 
     def handle_error(self, req, client, addr, exc) -> None:
         # gunicorn answers a transfer coding it does not know with 501 (RFC 9112 6.1): a client's request
@@ -70,6 +129,44 @@ class Worker(ThreadWorker):
             super().run()
         finally:
             live.shutdown_all()  # followers are not gunicorn's connections: they end here, resumable
+
+
+class _WatchedBody:
+    """``wsgi.input`` of a request whose body is being read under the watch: ``done()`` takes it off once
+    the body is in (and says whether the watch had cut it first: a 408, not a truncated body)."""
+
+    def __init__(self, body, declared: int | None, seconds: float, done):
+        self._body, self._left, self._seconds, self._done = body, declared, seconds, done
+
+    def _read(self, how, size) -> bytes:
+        try:
+            data = how(size)
+        except OSError:  # gunicorn's NoMoreData: a chunked body cut short, by the watch or by the client
+            self._end(complete=False)
+            raise
+        if self._left is not None:
+            self._left -= len(data)
+        if not data or (self._left is not None and self._left <= 0):
+            self._end(complete=self._left is None or self._left <= 0)  # a chunked body ends with b""
+        return data
+
+    def _end(self, complete: bool) -> None:
+        if self._done is None:
+            return
+        cut, self._done = self._done(), None
+        if cut and not complete:
+            raise RequestTimeout(f"The request's body did not arrive within {self._seconds:.0f} s; "
+                                 "send it again, faster")
+
+    def read(self, size=-1):
+        return self._read(self._body.read, size)
+
+    def readline(self, size=-1):
+        return self._read(self._body.readline, size)
+
+    def __iter__(self):
+        while line := self.readline():
+            yield line
 
 
 def write_problem(sock, status: int, reason: str, detail: str) -> None:

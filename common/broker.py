@@ -72,7 +72,11 @@ def make_celery(settings: Settings) -> Celery:
 
 
 def dispatch(celery: Celery, queue: str, payload: dict, priority: int) -> None:
-    celery.send_task(RUN_TASK, kwargs=payload, queue=queue, priority=priority)
+    # What send_task would work out for every message, given: the reprs monitors show (its own are a
+    # recursive saferepr), and nothing to declare (a queue named without an exchange goes to kombu's
+    # anonymous one, which puts the message straight on the queue's list; the workers declare theirs).
+    celery.send_task(RUN_TASK, kwargs=payload, queue=queue, priority=priority, declare=[], argsrepr="()",
+                     kwargsrepr=repr(payload))
 
 
 def queue_length(celery: Celery, queue: str) -> int:

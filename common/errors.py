@@ -8,7 +8,7 @@ OpenAPI document's schema is generated from it (common/wire.py uses it in the sh
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 from pydantic.json_schema import SkipJsonSchema
 
 
@@ -65,8 +65,7 @@ class Problem(BaseModel):
     """An RFC 9457 problem document (spec 9.3). Other members may appear."""
     model_config = ConfigDict(extra="allow", json_schema_extra=_no_null_defaults)
 
-    type: str = Field(description="`/lmsp/v1/errors#<code>`; `about:blank` for an HTTP error without an "
-                                  "LMSP code", examples=["/lmsp/v1/errors#task_not_found"],
+    type: str = Field(description="`/lmsp/v1/errors#<code>`, for every problem", examples=["/lmsp/v1/errors#task_not_found"],
                       json_schema_extra={"format": "uri-reference"})
     title: str = Field(examples=["Task not found"])
     status: int = Field(ge=100, le=599)
@@ -84,6 +83,11 @@ class Problem(BaseModel):
         spec = CODES[code]
         return cls(type=f"/lmsp/v1/errors#{code}", title=spec.title, status=spec.status, code=code,
                    detail=detail, instance=instance, **{k: v for k, v in extra.items() if v is not None})
+
+    @computed_field(description="`detail` again: OpenAI's clients show an error's `message`")
+    @property
+    def message(self) -> str:
+        return self.detail
 
     def wire(self) -> dict:
         return self.model_dump(mode="json")

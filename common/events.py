@@ -86,18 +86,25 @@ class PartEvent(EventData, kw_only=True):
     item_id: str
 
 
+def text_part(text: str = "") -> dict:
+    """A message's output_text part (wire.OutputText), as the builder of output items makes it."""
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
 class ContentPartAdded(PartEvent, kw_only=True):
     """A message's text part opens (before its first delta), as OpenAI's API sends it."""
     name = PART_ADDED
     content_index: Literal[0] = 0
-    part: wire.OutputText = msgspec.field(default_factory=lambda: {"type": "output_text", "text": ""})
+    part: wire.OutputText = msgspec.field(default_factory=text_part)
 
 
 class TextDelta(PartEvent, kw_only=True):
-    """A message's text (its one part: content_index 0, as the OpenAI SDK reads it)."""
+    """A message's text (its one part: content_index 0, as the OpenAI SDK reads it). ``logprobs``: a
+    member the SDK's event requires; the engine path gives none."""
     name = TEXT_DELTA
     content_index: Literal[0] = 0
     delta: str
+    logprobs: list[dict] = msgspec.field(default_factory=list)
 
 
 class SummaryDelta(PartEvent, kw_only=True):
@@ -273,16 +280,20 @@ def of_response(obj: dict) -> list[Event]:
     out: list[EventData] = [ResponseCreated(response_id=rid, response=started(obj))]
     for index, item in enumerate(obj.get("output") or []):
         if item["type"] == "function_call":  # it arrives complete in its done event (6.5)
-            out.append(OutputItemAdded(response_id=rid, output_index=index, item={**item, "arguments": ""}))
+            out.append(OutputItemAdded(response_id=rid, output_index=index,
+                                       item={**item, "arguments": "", "status": "in_progress"}))
         else:
             field, delta = ("content", TextDelta) if item["type"] == "message" else ("summary", SummaryDelta)
-            out.append(OutputItemAdded(response_id=rid, output_index=index, item={**item, field: []}))
+            out.append(OutputItemAdded(response_id=rid, output_index=index,
+                                       item={**item, field: [], "status": "in_progress"}))
             if item["type"] == "message":
                 out.append(ContentPartAdded(response_id=rid, output_index=index, item_id=item["id"]))
             if text := "".join(part.get("text", "") for part in item.get(field) or []):
                 out.append(delta(response_id=rid, output_index=index, item_id=item["id"], delta=text))
         out.append(OutputItemDone(response_id=rid, output_index=index, item=item))
-    out.append(final(rid, obj["status"], usage=obj.get("usage"), error=obj.get("error"),
+    # The event's usage is 6.3's counts, as when it was first sent (the object's has OpenAI's details too).
+    usage = obj.get("usage") and {name: obj["usage"][name] for name in wire.Usage.model_fields}
+    out.append(final(rid, obj["status"], usage=usage, error=obj.get("error"),
                      incomplete_details=obj.get("incomplete_details"), response=obj))
     return Sequence().number(out)
 

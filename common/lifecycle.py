@@ -25,7 +25,7 @@ from common.db import Compiled, commit_lazily, db_now, driver_row, fetch_batch, 
 from common.errors import LMSPError, problem
 from common.events import Event, Sequence
 from common.ids import is_id, new_id
-from common.resources import event_response, is_background
+from common.resources import echoed, event_response, is_background
 from common.states import (
     CANCELLED,
     CANCELLING,
@@ -90,8 +90,8 @@ def new_response(*, principal: str, model: str, request: dict, input_tokens: int
                  status: R, stored: bool, previous_response_id: str | None) -> Response:
     now = time.time()
     return Response(id=new_id("response"), principal_id=principal, model=model, request=request,
-                    input_tokens=input_tokens, max_tokens=max_tokens, status=status, stored=stored,
-                    previous_response_id=previous_response_id, created_at=now, updated_at=now)
+                    echo=echoed(request), input_tokens=input_tokens, max_tokens=max_tokens, status=status,
+                    stored=stored, previous_response_id=previous_response_id, created_at=now, updated_at=now)
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,8 @@ def create_warmed(session: Session, response: Response) -> Response:
 
 # -- the final event ----------------------------------------------------------------------------
 _SHOWN = (Response.id, Response.created_at, Response.model, Response.output, Response.usage, Response.status,
-          Response.error, Response.incomplete_details, Response.previous_response_id)  # what event_response reads
+          Response.error, Response.incomplete_details, Response.previous_response_id,
+          Response.echo)  # what event_response reads
 
 
 def _final(session: Session, response_id: str, status: R, *, seq: Sequence | None = None, emitted=(),

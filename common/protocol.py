@@ -62,6 +62,13 @@ def _arguments(text: str) -> str:
 
 JsonSchema = Annotated[dict, AfterValidator(_check_schema)]
 TokenCount = Annotated[int, Field(ge=1, le=10_000_000), BeforeValidator(_json_number)]
+# A turn may call several tools (worker/output.py parses every call the model writes), and nothing can hold
+# the model to one: only true, OpenAI's default, is accepted (here and by Chat Completions).
+ParallelToolCalls = Annotated[Literal[True], Field(
+    description="Only true: a turn may call several tools; it cannot be held to one")]
+# OpenAI's limits: up to 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[dict[Annotated[StrictStr, Field(max_length=64)], Annotated[StrictStr, Field(max_length=512)]],
+                     Field(max_length=16)]
 
 
 class Strict(BaseModel):
@@ -71,6 +78,7 @@ class Strict(BaseModel):
 class TextPart(Strict):
     type: Literal["input_text", "output_text"]
     text: StrictStr
+    annotations: list | None = None  # an output part sent back as it was received; not read
 
 
 class MessageItem(Strict):
@@ -110,6 +118,7 @@ class ReasoningItem(Strict):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryPart] = []
+    status: str | None = None
 
 
 def _easy_message(value):
@@ -183,8 +192,10 @@ class ResponseRequest(Strict):
     response_format: Annotated[TextFormat | JsonSchemaFormat, Field(discriminator="type")] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: ParallelToolCalls | None = None
     store: StrictBool = False
     previous_response_id: StrictStr | None = None
+    metadata: Metadata | None = None  # kept on the response and shown with it (OpenAI's metadata)
     extensions: dict | None = None
     text: TextConfig | None = None
     background: StrictBool | None = None
@@ -247,6 +258,7 @@ class TaskRequest(Strict):
     type: Literal["response"]
     input: ResponseRequest
     on_restart: OnRestart = OnRestart.FAIL
+    extensions: dict | None = None  # the envelope's own, if a client sends any: ignored (9.1)
 
 
 

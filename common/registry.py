@@ -15,6 +15,7 @@ from common.errors import LMSPError
 from common.settings import ConfigError, get_settings
 
 ENGINE_KINDS = ("vllm", "sim")
+SIM_ARGS = ("ttft_ms", "tokens_per_s", "max_num_seqs", "tick_ms", "stop_after")  # what worker/sim.py reads
 
 
 class Capabilities(BaseModel):
@@ -62,6 +63,15 @@ class ModelSpec(BaseModel):
     def _known_kind(cls, value: dict) -> dict:
         if value.get("kind", "vllm") not in ENGINE_KINDS:
             raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, not {value['kind']!r}")
+        return value
+
+    @field_validator("engine")
+    @classmethod
+    def _sim_args(cls, value: dict) -> dict:
+        # vLLM refuses an argument it does not know when it loads; the simulator would run on its default.
+        unknown = sorted(set(value) - {"kind", *SIM_ARGS}) if value.get("kind") == "sim" else []
+        if unknown:
+            raise ValueError(f"the simulated engine takes {', '.join(SIM_ARGS)}; not {', '.join(unknown)}")
         return value
 
     @field_validator("engine")

@@ -31,10 +31,21 @@ def event_response(r: Response, queued: bool = False) -> dict:
         return {"object": "response", **fields}
 
 
+# The request's members a response object repeats, as OpenAI's Response does (wire.ResponseObject shows
+# each one a request left out as its default).
+ECHOED = ("tools", "tool_choice", "metadata")
+
+
+def echoed(request: dict) -> dict | None:
+    """A new response row's ``echo``: what it keeps of its ``request`` (stored as the api parsed it)."""
+    return {name: request[name] for name in ECHOED if name in request} or None
+
+
 def _fields(r: Response, queued: bool) -> dict:
     return dict(id=r.id, created_at=int(r.created_at), model=r.model, output=r.output or [], usage=r.usage,
                 status="queued" if queued else "in_progress" if r.status == "queued" else r.status,
-                error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id)
+                error=r.error, incomplete_details=r.incomplete_details, previous_response_id=r.previous_response_id,
+                **(r.echo or {}))
 
 
 def response_model(r: Response, queued: bool = False) -> wire.ResponseObject:

@@ -45,6 +45,9 @@ class Response(Base):
     principal_id: Mapped[str] = mapped_column(ForeignKey("principals.id"), index=True)
     model: Mapped[str] = mapped_column(String(200))
     request: Mapped[dict] = mapped_column(Json)
+    # The request's members its response object repeats (common/resources.py), apart from the request:
+    # a response's final event is built from a few columns, and a request may be a megabyte.
+    echo: Mapped[dict | None] = mapped_column(Json)
     output: Mapped[list | None] = mapped_column(Json)
     usage: Mapped[dict | None] = mapped_column(Json)
     status: Mapped[str] = mapped_column(String(20))

@@ -63,6 +63,23 @@ class Usage(Shape):
     total_tokens: Count
 
 
+class InputTokensDetails(Shape):
+    cached_tokens: Count = Field(0, description="Not counted apart by this service: 0")
+    cache_write_tokens: Count = Field(0, description="Not counted apart by this service: 0")
+
+
+class OutputTokensDetails(Shape):
+    reasoning_tokens: Count = Field(0, description="Not counted apart by this service (a reasoning item's "
+                                                   "tokens are in output_tokens): 0")
+
+
+class ResponseUsage(Usage):
+    """A response object's usage: 6.2's counts, and the details OpenAI's Response carries (its SDK
+    requires them)."""
+    input_tokens_details: InputTokensDetails = InputTokensDetails()
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+
+
 class IncompleteDetails(Shape):
     reason: str = Field(examples=["max_output_tokens"])
 
@@ -70,6 +87,7 @@ class IncompleteDetails(Shape):
 class OutputText(Shape):
     type: Literal["output_text"]
     text: str
+    annotations: list[dict] = Field([], description="Always empty: this service cites nothing")
 
 
 class SummaryText(Shape):
@@ -77,11 +95,19 @@ class SummaryText(Shape):
     text: str
 
 
+# An item's status and its text parts' annotations are members of OpenAI's output items that its SDK
+# requires; worker/output.py writes them, and these defaults are for items stored before it did.
+ItemStatus = Annotated[Literal["in_progress", "completed", "incomplete"], Field(
+    description="in_progress until the item is done (and in a response that failed meanwhile); incomplete "
+                "when the response stopped before the model did (token limit, cancel)")]
+
+
 class OutputMessage(Shape):
     id: str = Field(examples=["msg_01J8M6Q4W5C8H2K9P3S7Y1A6ZE"])
     type: Literal["message"]
     role: Literal["assistant"]
     content: list[OutputText]
+    status: ItemStatus = "completed"
 
 
 class OutputFunctionCall(Shape):
@@ -90,12 +116,14 @@ class OutputFunctionCall(Shape):
     call_id: str
     name: str
     arguments: str = Field(description="JSON-encoded arguments")
+    status: ItemStatus = "completed"
 
 
 class OutputReasoning(Shape):
     id: str
     type: Literal["reasoning"]
     summary: list[SummaryText]
+    status: ItemStatus = "completed"
 
 
 OutputItem = Annotated[OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")]
@@ -106,6 +134,11 @@ class AnyOutputItem(RootModel[OutputItem]):
     event structs of common/events.py refer to)."""
 
 
+class ToolChoiceFunction(Shape):
+    type: Literal["function"]
+    name: str
+
+
 class ResponseObject(Shape):
     """The response object (spec 6.2); the row it shows is common/tables.py's ``Response``."""
     id: str = Field(examples=["resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"])
@@ -114,11 +147,18 @@ class ResponseObject(Shape):
     status: ResponseStatus
     model: str
     output: list[OutputItem]
-    usage: Usage | None = Field(description="null until the response has finished, and for one cancelled "
-                                            "before it started")
+    usage: ResponseUsage | None = Field(description="null until the response has finished, and for one "
+                                                    "cancelled before it started")
     error: Problem | None = Field(description="A problem when status is failed")
     incomplete_details: IncompleteDetails | None = Field(description="An object when status is incomplete")
     previous_response_id: str | None
+    # The request's members OpenAI's Response repeats (its SDK requires the first three), from the row's
+    # ``echo`` (common/resources.py); what a request left out is shown as its default.
+    tools: list[dict] = Field([], description="The request's tools")
+    tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunction = "auto"
+    parallel_tool_calls: Literal[True] = Field(True, description="Always true: a turn may call several tools "
+                                                                  "(false is refused when asked)")
+    metadata: dict[str, str] = Field({}, description="The request's metadata")
 
 
 class InputItemList(Shape):
@@ -258,6 +298,9 @@ class Model(Shape):
                     "when work for it comes (a worker of several models)")
     workers: Count
     extensions: ModelExtensions
+    # Members of OpenAI's model object, which its SDK requires.
+    created: UnixSeconds = Field(0, description="When the model was made: not known to this service, 0")
+    owned_by: str = "lmsp"
 
 
 class ModelList(Shape):

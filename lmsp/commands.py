@@ -129,6 +129,12 @@ def submit(http: lc.Client, prompt, model, max_output_tokens, on_restart, follow
 
 
 
+def id_column(header: str, ids: list[str]):
+    """A column of ids, whole at any width (80 columns, a pipe): an id is what the next command is given."""
+    from rich.table import Column
+    return Column(header, no_wrap=True, min_width=max(map(len, ids), default=len(header)))
+
+
 # -- tasks --------------------------------------------------------------------------------------------
 @client_command(tasks, "list")
 @click.option("--state", help="Only these states, comma-separated (e.g. queued,running).")
@@ -143,7 +149,8 @@ def tasks_list(http: lc.Client, state, limit: int, as_json: bool) -> None:
     if as_json:
         return print_json(rows)
     from rich.table import Table
-    table = Table("TASK", "STATE", "TOKENS", "DURATION", "CREATED", "ON RESTART", box=None)
+    table = Table(id_column("TASK", [t["id"] for t in rows]), "STATE", "TOKENS", "DURATION", "CREATED",
+                  "ON RESTART", box=None)
     for t in rows:
         table.add_row(t["id"], styled(t["status"]), output_tokens(t), duration(t), ago(t["created_at"]),
                       t["on_restart"])

@@ -141,7 +141,9 @@ def _follow(http: lc.Client, task_id: str, view: TailView, live):
 def _conclude(task: dict, view: TailView, final, replay: bool, console) -> int:
     """The last status line, from the task as it ended; the exit code."""
     view.state = task["status"] if task["status"] in lc.TERMINAL_STATES else FINAL_STATE[final.name]
-    view.tokens = ((final.data.get("usage") or {}).get("output_tokens")) if final else None
+    # completed and incomplete carry usage themselves; cancelled and failed only in their response object
+    usage = (final.data.get("usage") or (final.data.get("response") or {}).get("usage") or {}) if final else {}
+    view.tokens = usage.get("output_tokens")
     view.ended = time.time()
     if replay:
         view.started, view.ended = task["created_at"], task["updated_at"]

@@ -6,6 +6,7 @@ from common.partitions import is_partition
 from common.tables import Base
 
 config = context.config
+MIGRATION_LOCK = 0x6C6D7370_6D696772  # "lmspmigr": one advisory lock for every lmsp migration
 
 
 def include_name(name, kind, _parent) -> bool:
@@ -22,6 +23,12 @@ def run() -> None:
         return
     engine = make_engine(url, poolclass=pool.NullPool)
     with engine.connect() as connection:
+        if connection.dialect.name == "postgresql":
+            # Two migrations at once (a manual `lmsp migrate` beside compose's migrate service or the Job):
+            # both found no alembic_version and one failed creating it. The second now waits, then finds
+            # nothing to do.
+            connection.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK})")
+            connection.commit()  # the lock is the session's: held until this connection closes
         context.configure(connection=connection, target_metadata=Base.metadata, include_name=include_name,
                           render_as_batch=connection.dialect.name == "sqlite")
         with context.begin_transaction():

@@ -79,8 +79,9 @@ class OutputBuilder:
             self.held = ""
         return out
 
-    def finish(self) -> Emitted:
-        """Close every open item; turn a collected tool call into function_call items."""
+    def finish(self, cut: bool = False) -> Emitted:
+        """Close every open item; turn a collected tool call into function_call items. ``cut``: the
+        response stopped before the model did (token limit, cancel): the item open then is incomplete."""
         out: Emitted = []
         if self.buffer is not None:
             calls = _parse_calls(self.buffer, forced=self.mode == "tool_forced")
@@ -88,19 +89,21 @@ class OutputBuilder:
                 out += self._append("message", self.buffer)
             for name, arguments in calls or []:
                 item = {"id": new_id("function_call"), "type": "function_call", "call_id": new_id("call"),
-                        "name": name, "arguments": arguments}
+                        "name": name, "arguments": arguments, "status": "completed"}
                 self.items.append(item)
                 index = len(self.items) - 1
-                out.append(OutputItemAdded(response_id=self.rid, output_index=index, item={**item, "arguments": ""}))
+                out.append(OutputItemAdded(response_id=self.rid, output_index=index,
+                                           item={**item, "arguments": "", "status": "in_progress"}))
                 out.append(OutputItemDone(response_id=self.rid, output_index=index, item=item))
             self.buffer = None
         elif self.held:
             out += self._append("reasoning" if self.thinking else "message", self.held)
             self.held = ""
-        out += self._close()
+        status = "incomplete" if cut else "completed"
+        out += self._close(status)
         if not self.items:  # the model stopped at once: still answer with an (empty) message
             out += self._append("message", "")
-            out += self._close()
+            out += self._close(status)
         return out
 
     # -- items -----------------------------------------------------------------------
@@ -111,6 +114,7 @@ class OutputBuilder:
         if self.open is None:
             item = ({"id": new_id("message"), "type": "message", "role": "assistant", "content": []}
                     if kind == "message" else {"id": new_id("reasoning"), "type": "reasoning", "summary": []})
+            item["status"] = "in_progress"  # as OpenAI's items: until its done event (``_close``)
             self.items.append(item)
             self.open = len(self.items) - 1
             out.append(OutputItemAdded(response_id=self.rid, output_index=self.open, item=_copy(item)))
@@ -122,19 +126,19 @@ class OutputBuilder:
 
     def _add_text(self, item: dict, text: str) -> Emitted:
         parts = item["content"] if item["type"] == "message" else item["summary"]
-        part_type = "output_text" if item["type"] == "message" else "summary_text"
         if not parts:
-            parts.append({"type": part_type, "text": ""})
+            parts.append(_empty_part(item))
         parts[0]["text"] += text
         delta = TextDelta if item["type"] == "message" else SummaryDelta
         return [delta(response_id=self.rid, output_index=self.open, item_id=item["id"], delta=text)]
 
-    def _close(self) -> Emitted:
+    def _close(self, status: str = "completed") -> Emitted:
         if self.open is None:
             return []
         item = self.items[self.open]
         if item["type"] == "message" and not item["content"]:
-            item["content"].append({"type": "output_text", "text": ""})
+            item["content"].append(events.text_part())
+        item["status"] = status
         index, self.open = self.open, None
         return [OutputItemDone(response_id=self.rid, output_index=index, item=_copy(item))]
 
@@ -151,7 +155,7 @@ class OutputBuilder:
             item = self.items[data["output_index"]]
             parts = item["content"] if item["type"] == "message" else item["summary"]
             if not parts:
-                parts.append({"type": "output_text" if item["type"] == "message" else "summary_text", "text": ""})
+                parts.append(_empty_part(item))
             parts[0]["text"] += data["delta"]
             self.raw += data["delta"]
         elif name == events.ITEM_DONE:
@@ -163,6 +167,10 @@ class OutputBuilder:
                 call = json.dumps({"name": data["item"]["name"], "arguments": json.loads(data["item"]["arguments"])})
                 self.raw += f"{TOOL_OPEN}{call}{TOOL_CLOSE}"
             self.open = None
+
+
+def _empty_part(item: dict) -> dict:
+    return events.text_part() if item["type"] == "message" else {"type": "summary_text", "text": ""}
 
 
 def _copy(item: dict) -> dict:

@@ -147,7 +147,7 @@ class Job:
             status = R.INCOMPLETE
         else:
             status = R.COMPLETED
-        emitted = builder.finish() if status != R.FAILED else []
+        emitted = builder.finish(cut=status in (R.INCOMPLETE, R.CANCELLED)) if status != R.FAILED else []
         usage = {"input_tokens": self.response.input_tokens, "output_tokens": self.output_tokens,
                  "total_tokens": self.response.input_tokens + self.output_tokens}
         self.finish(status, emitted, builder.items, usage, error)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api.grammar import check_budget
+from api.grammar import check_budget, check_finite
 from common import lifecycle
 from common.errors import LMSPError
 from common.prompt import PromptError, load_tokenizer, render, tool_call_schema, tool_mode
@@ -52,6 +52,7 @@ def prepare(session: Session, svc, principal: str, body, remembered=None) -> Pre
     constraint = _constraint(req)
     if constraint is not None:
         check_budget(*constraint, svc.settings)
+        check_finite(*constraint)
     if req.previous_response_id:
         _capability(spec, "conversations", "previous_response_id", "previous_response_id")
         req = _continue(session, principal, req, remembered or {})

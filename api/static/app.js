@@ -339,17 +339,24 @@ function appendText(delta) {
 
 async function openTask(id) {
   show("task-page");
-  current = { id, task: null, source: null, last: 0, chars: 0, timer: null, retry: null };
+  const state = { id, task: null, source: null, last: 0, chars: 0, timer: null, retry: null };
+  current = state;
   $("#task-text").replaceChildren();
   $("#task-error").textContent = "";
   $("#task-stream").textContent = "";
+  let task;
   try {
-    current.task = await api("GET", `${API}/tasks/${id}`);
+    task = await api("GET", `${API}/tasks/${id}`);
   } catch (exc) {
+    if (state !== current) return;
     $("#task-title").textContent = id;
     $("#task-error").textContent = exc.message;
     return;
   }
+  // Another page was opened while this read was on its way: the answer is no longer wanted (following
+  // from here would give the page shown a second stream nobody closes).
+  if (state !== current) return;
+  current.task = task;
   renderTask();
   current.timer = setInterval(() => current && current.task && renderTask(), 1000);
   if (current.task.status === "succeeded") {
@@ -440,8 +447,11 @@ function stopFollowing() {
 async function cancelTask() {
   const state = current;
   try {
-    state.task = await api("POST", `${API}/tasks/${state.id}/cancel`);
-    renderTask();
+    const task = await api("POST", `${API}/tasks/${state.id}/cancel`);
+    // The stream's final event (and the task read after it) can come before this answer on a busy
+    // link: a late "cancelling" must not undo the final state already shown.
+    if (!TERMINAL.includes(state.task.status)) state.task = task;
+    if (state === current) renderTask();
   } catch (exc) {
     $("#task-error").textContent = exc.message;
   }

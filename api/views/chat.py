@@ -41,7 +41,7 @@ def create():
     except LMSPError as exc:
         raise translated(exc, chat) from None
     include_usage = chat.stream_options is not None and chat.stream_options.include_usage
-    chunks = Chunks(chat.model, include_usage)
+    chunks = Chunks(chat.model, include_usage, calls_only=chat.tool_choice not in (None, "auto", "none"))
     if isinstance(run, direct.Done):
         return direct.replay(run, chunks, DONE)
     if chat.stream:

@@ -23,22 +23,9 @@ bp = Blueprint("events", __name__, url_prefix="/lmsp/v1/tasks")
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _after() -> int:
-    """The one place that reads the resume point: ``after`` wins over ``Last-Event-ID`` (6.4)."""
-    raw, param = params.arg("after"), "after"
-    if not raw:
-        raw, param = request.headers.get("Last-Event-ID"), "Last-Event-ID"
-    if raw is None or raw == "":
-        return 0
-    after = params.integer(raw)
-    if after is None:
-        raise LMSPError("invalid_request", f"{param} must be a non-negative integer event id", param=param)
-    return after
-
-
 def _open(task_id: str) -> tuple[str, str, int]:
     """Check access, capability and retention; return (task id, response id, after)."""
-    after = _after()
+    after = params.resume_point("after")
     return (*open_stream(services(), principal(), task_id), after)
 
 

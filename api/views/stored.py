@@ -39,12 +39,7 @@ def _stream_query() -> tuple[bool, int]:
     raw = params.arg("stream")
     if raw not in (None, "", "true", "false"):
         raise LMSPError("invalid_request", "stream must be true or false", param="stream")
-    after = params.arg("starting_after")
-    start = 0 if not after else params.integer(after)
-    if start is None:
-        raise LMSPError("invalid_request", "starting_after must be a non-negative integer event id",
-                        param="starting_after")
-    return raw == "true", start
+    return raw == "true", params.resume_point("starting_after")
 
 
 @bp.get("/<response_id>")
@@ -53,13 +48,14 @@ def _stream_query() -> tuple[bool, int]:
            answers={200: json_answer(
                "The response as it is now (a background response is `queued` until a worker starts it). With "
                "`stream=true`: a background response's events (6.3) from `response.created`, or after "
-               "`starting_after`, live until the final event", wire.ResponseObject,
+               "`starting_after` (or Last-Event-ID), live until the final event", wire.ResponseObject,
                also=sse_answer("", "Server-sent events: `id:`, `event:` and a JSON `data:` line per event"))},
-           errors=[(400, "invalid_request", "unsupported_capability", "A bad `stream` or `starting_after`, or "
+           errors=[(400, "invalid_request", "unsupported_capability", "A bad `stream`, `starting_after` or "
+                    "Last-Event-ID, or "
                     "stream=true on a response that was not created with background: true"),
                    (404, "response_not_found"), (410, "event_history_expired", "The events are past their "
                     "retention: GET without stream has the final response")],
-           params=["ResponseId", "Stream", "StartingAfter"])
+           params=["ResponseId", "Stream", "StartingAfter", "LastEventId"])
 def get(response_id: str):
     stream, after = _stream_query()
     if not stream:

@@ -171,12 +171,23 @@ def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, model_id)
     page.wait_for_timeout(5000)
     assert len(streams) == settled
 
-    # cancel (with the keyboard)
+    # cancel (with the keyboard). The cancel's answer ("cancelling") is held back until the task has
+    # ended and the page has shown it from the stream: an answer that comes late must not undo that.
     cancel_id = _submit(page, "Write a very long essay on the history of tea.", 1000)
     wait_for(lambda: len(page.inner_text("#task-text")) > 10, 180, "no live text")
+    held = []
+    page.route(f"**/tasks/{cancel_id}/cancel", lambda route: held.append((route, route.fetch())))
     page.focus("#cancel")
     page.keyboard.press("Enter")
     page.wait_for_selector("#task-state[data-state=cancelled]", timeout=60_000)
+    assert held, "the page showed the end before its cancel was answered"
+    route, answer = held[0]
+    # The api reads the task again after its abort: a worker quick to stop makes that read "cancelled".
+    # The late answer this checks is the one read before the end, so the page gets it as such.
+    assert answer.json()["status"] in ("cancelling", "cancelled")
+    route.fulfill(response=answer, json={**answer.json(), "status": "cancelling"})
+    page.wait_for_timeout(2000)  # the answer is applied at once; the page re-renders every second
+    assert page.get_attribute("#task-state", "data-state") == "cancelled"
     assert same_principal.get(f"/lmsp/v1/tasks/{cancel_id}").json()["status"] == "cancelled"
     assert page.inner_text("#task-stream") == "closed"
     page.screenshot(path=str(SHOTS / "4-task-cancelled.png"), full_page=True)
@@ -203,6 +214,17 @@ def test_dashboard_submit_live_drop_resume_close_cancel(browser, site, model_id)
     page.screenshot(path=str(SHOTS / "6-phone.png"), full_page=True)
     assert errors == []
     page.close()
+
+
+def _sign_in(page, url: str, token: str) -> list:
+    """Sign ``page`` in with ``token``; the list returned gathers the page's script errors."""
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url + "/")
+    page.fill("#token", token)
+    page.press("#token", "Enter")
+    page.wait_for_selector("#home-page:not([hidden])")
+    return errors
 
 
 def _list_polls(page) -> list:
@@ -233,13 +255,8 @@ def test_dashboard_live_list_workers_panel_and_timeline(browser, site, api, stac
     admin = stack.token("watcher", scopes="models:read,tasks:read,tasks:write,tasks:cancel,admin")
     other = Client(api, stack.token("watcher"))  # the same principal, another token
     page = browser.new_page(viewport={"width": 1280, "height": 900})
-    errors = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
     polls = _list_polls(page)
-    page.goto(proxy.url + "/")
-    page.fill("#token", admin)
-    page.press("#token", "Enter")
-    page.wait_for_selector("#home-page:not([hidden])")
+    errors = _sign_in(page, proxy.url, admin)
 
     # scope admin: each worker, its model loaded, its state
     worker = page.locator(f"#workers tbody tr[data-id='test-{model_id}']")
@@ -295,5 +312,37 @@ def test_dashboard_live_list_workers_panel_and_timeline(browser, site, api, stac
     assert any(t.startswith("decode ") for t in page.locator("#task-timeline .legend li").all_inner_texts())
     assert page.inner_text("#task-worker") == f"test-{model_id} (attempt 1)"
     page.screenshot(path=str(SHOTS / "8-task-timeline.png"), full_page=True)
+    assert errors == []
+    page.close()
+
+
+def test_a_task_opened_before_the_last_ones_read_answered_is_followed_once(browser, site, model_id):
+    """A person opens a task, goes back and submits another before the first one's read has answered:
+    the late answer belongs to a page no longer shown, and must not start a second stream for the task
+    that is (an EventSource nobody closes reconnects when the stream ends)."""
+    proxy, token, same_principal = site
+    body = {"type": "response", "input": {"model": model_id, "max_output_tokens": 4, "input": "Say hi."}}
+    first = same_principal.post("/lmsp/v1/tasks", body).json()["id"]
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    streams = _events_requests(page)
+    errors = _sign_in(page, proxy.url, token)
+    page.wait_for_selector(f"#models tbody tr:has-text('{model_id}') td[data-state=ready]")
+    held = []
+    page.route(f"**/lmsp/v1/tasks/{first}", lambda route: held.append(route))  # its read waits until let go below
+    page.goto(proxy.url + f"/#/tasks/{first}")
+    for _ in range(100):
+        if held:
+            break
+        page.wait_for_timeout(100)
+    assert held, "the first task was not read"
+    page.goto(proxy.url + "/#/")
+    page.select_option("#model", model_id)
+    second = _submit(page, "Write a short story about a fox.", 120)
+    wait_for(lambda: len(page.inner_text("#task-text")) > 10, 180, "no live text")
+    held[0].continue_()
+    page.wait_for_selector("#task-state[data-state=succeeded]", timeout=180_000)
+    page.wait_for_timeout(5000)  # a second EventSource would reconnect after the stream's end (~3 s)
+    assert len([r for r in streams if f"/tasks/{second}/events" in r.url]) == 1
+    assert page.inner_text("#task-title") == second and page.inner_text("#task-stream") == "closed"
     assert errors == []
     page.close()

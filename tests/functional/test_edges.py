@@ -75,10 +75,10 @@ def test_resume_at_or_past_the_final_event_closes_at_once(alice, api, model_id):
                           (done["events_url"] + f"?after={final + 50}", {})):
         start = time.monotonic()
         assert alice.sse(path, headers=headers, timeout=10) == []
-        assert time.monotonic() - start < 1, path
+        assert time.monotonic() - start < 5, path  # not held open to the 15 s heartbeat
     start = time.monotonic()
     frames = ws_frames(api, alice, f"/lmsp/v1/tasks/{done['id']}/ws?after={final}")
-    assert frames == [] and time.monotonic() - start < 1
+    assert frames == [] and time.monotonic() - start < 5
 
 
 class Follower:
@@ -158,17 +158,18 @@ def _raw_request(base, head: str) -> tuple[int, float]:
     return status, time.monotonic() - start
 
 
-def test_bad_inputs_answer_problems_and_change_nothing(alice, api, model_id, pg_url):
+def _counts(pg_url) -> tuple[int, int, int]:
     import psycopg
 
-    def counts():
-        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql")) as conn:
-            return conn.execute("SELECT (SELECT count(*) FROM responses), (SELECT count(*) FROM tasks), "
-                                "(SELECT count(*) FROM idempotency_records)").fetchone()
+    with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql")) as conn:
+        return conn.execute("SELECT (SELECT count(*) FROM responses), (SELECT count(*) FROM tasks), "
+                            "(SELECT count(*) FROM idempotency_records)").fetchone()
 
+
+def test_bad_inputs_answer_problems_and_change_nothing(alice, api, model_id, pg_url):
     done = task(alice, model_id, max_output_tokens=2)
     alice.sse(done["events_url"])
-    before = counts()
+    before = _counts(pg_url)
     events_url = done["events_url"]
     problem(alice.get(events_url + "?after=%C2%B2"), 400, "invalid_request", "after")            # ?after=²
     problem(alice.get(events_url, headers={"Last-Event-ID": "²"}), 400, "invalid_request", "Last-Event-ID")
@@ -194,7 +195,43 @@ def test_bad_inputs_answer_problems_and_change_nothing(alice, api, model_id, pg_
     status, took = _raw_request(api, f"POST /lmsp/v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: "
                                      f"application/json\r\nContent-Length: {100 * 1024 * 1024}\r\n\r\n")
     assert status == 413 and took < 2
-    assert counts() == before
+    assert _counts(pg_url) == before
+
+
+def _send(sock, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # the server closed the connection on a body it would not read
+
+
+def test_a_chunked_body_over_the_limit_is_413_and_changes_nothing(bob, api, model_id, pg_url):
+    """A chunked body has no length to refuse up front: it is refused as it is read, past the limit (1 MiB),
+    not cut at the limit and taken for the whole (JSON and then 3 MB of spaces was answered 200). One up to
+    twice the limit is read to its end, so that its connection serves the next request; a larger one is not."""
+    start = json.dumps({"model": model_id, "input": "hi", "max_output_tokens": 2}).encode()
+    head = (f"POST /lmsp/v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: {bob.http.headers['Authorization']}"
+            "\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    host = urlsplit(api)
+    before = _counts(pg_url)
+    with socket.create_connection((host.hostname, host.port), timeout=30) as sock:
+        reader = sock.makefile("rb")
+        for spaces in (1024 * 1024, 3_000_000):  # the second request proves the connection was kept
+            data = start + b" " * spaces
+            chunks = b"".join(b"%x\r\n%s\r\n" % (len(data[i:i + 65536]), data[i:i + 65536])
+                              for i in range(0, len(data), 65536))
+            # Sent beside the reading: the server answers a body it stops reading before it has all of it.
+            sender = threading.Thread(target=_send, args=(sock, head + chunks + b"0\r\n\r\n"))
+            sender.start()
+            status = reader.readline()
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                length = int(value) if name.lower() == "content-length" else length
+            assert status.startswith(b"HTTP/1.1 413"), (spaces, status)
+            assert json.loads(reader.read(length))["code"] == "payload_too_large"
+            sender.join(30)
+    assert _counts(pg_url) == before
 
 
 class FromAddress(requests.adapters.HTTPAdapter):
@@ -522,3 +559,39 @@ def test_followers_complete_when_redis_goes_away_mid_stream(stack, alice, model_
     assert [e[0] for e in seen] == list(range(1, len(seen) + 1))
     assert seen[-1][1] in ("response.completed", "response.incomplete") and len(seen) > 4
     assert requests.get(base + "/healthz", timeout=5).status_code == 200
+
+
+def test_requests_that_stop_half_way_do_not_hold_the_apis_threads(stack):
+    """A client that sends part of its headers, or of its body, and stops: gunicorn's threads read a
+    request blocking, so a few such connections (more than the api has threads, no token needed) shut
+    everyone out. Each request has its time (api/serve.py), its wait for a thread included: then its
+    connection is closed, and a body cut short is answered 408, a problem document."""
+    from api.serve import HEAD_SECONDS
+
+    base = stack.start_api(threads=4)
+    host = urlsplit(base)
+    token = stack.token("sloth")
+
+    def half(data: bytes) -> socket.socket:
+        sock = socket.create_connection((host.hostname, host.port), timeout=HEAD_SECONDS + 40)
+        sock.sendall(data)
+        return sock
+
+    body = half(b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\nAuthorization: Bearer " + token.encode() + b"\r\n\r\n{\"mo")
+    heads = [half(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: x\r\nX-a: ") for _ in range(12)]
+    started = time.monotonic()
+    try:
+        answered = Client(base, token).get("/lmsp/v1/models", timeout=HEAD_SECONDS + 40)  # before: never
+        assert answered.status_code == 200 and time.monotonic() - started < HEAD_SECONDS + 20
+        for sock in heads:
+            assert sock.recv(4096) == b""  # closed unanswered: there is no request to answer
+        reply = b""
+        while chunk := body.recv(65536):
+            reply += chunk
+        head, _, doc = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"application/problem+json" in head, reply[:500]
+        assert json.loads(doc)["status"] == 408
+    finally:
+        for sock in heads + [body]:
+            sock.close()

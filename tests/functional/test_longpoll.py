@@ -59,7 +59,7 @@ def test_etag_304_wait_timeout_and_wake_on_change(bob):
     # A finished task never changes: a wait returns at once.
     start = time.monotonic()
     assert bob.get(path + "?wait=30", headers={"If-None-Match": got["resp"].headers["ETag"]}).status_code == 304
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # not the 30 s asked for
 
 
 def test_waiting_client_follows_a_task_to_the_end_in_few_requests(alice, model_id):

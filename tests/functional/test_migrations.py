@@ -142,3 +142,24 @@ def test_unmigrated_database_is_refused(tmp_path):
     with pytest.raises(NotMigrated, match="lmsp migrate"):
         ensure_migrated(engine)
     assert MIGRATIONS.is_dir()
+
+
+def test_migrations_run_at_once_on_a_new_database_all_succeed():
+    """Replicas that each migrate on their first start (an init container per pod) run `lmsp migrate` at
+    once: without the advisory lock (migrations/env.py) both found no alembic_version and one failed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url = create_database("lmsp_migr")
+    try:
+        lmsp = Path(sys.executable).with_name("lmsp")
+        runs = [subprocess.Popen([str(lmsp), "migrate"], env={**os.environ, "LMSP_DATABASE_URL": url},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+        outs = [(run.wait(300), run.stdout.read()) for run in runs]
+        assert [code for code, _ in outs] == [0, 0, 0], outs
+        with make_engine(url).connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == _script().get_current_head()
+    finally:
+        drop_database(url)

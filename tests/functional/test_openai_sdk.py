@@ -102,7 +102,32 @@ def test_a_plain_stream_ends_with_the_response_on_its_final_event(sdk, sim):
     last = seen[-1]
     assert last.type == "response.completed" and last.response.status == "completed"
     text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
-    assert text and last.response.output_text == text and last.response.usage.to_dict() == last.usage
+    assert text and last.response.output_text == text
+    # The event's usage is 6.3's counts; the response object's has OpenAI's details besides.
+    assert {name: getattr(last.response.usage, name) for name in last.usage} == last.usage
+
+
+def test_strict_validation_of_what_the_sdk_reads(sim):
+    """With ``_strict_response_validation`` every object and event is validated against the SDK's
+    models: the members OpenAI always sends (a response's tools, tool_choice, parallel_tool_calls, an
+    item's status, a part's annotations, a model's created and owned_by) are all there."""
+    strict = openai.OpenAI(base_url=f"{sim.base}/lmsp/v1", api_key=sim.olga, max_retries=0, timeout=120,
+                           _strict_response_validation=True)
+    made = strict.responses.create(model=sim.model, input="Name three colors.", max_output_tokens=20, store=True,
+                                   tools=[WEATHER], parallel_tool_calls=True, metadata={"ticket": "T-1"})
+    assert [t.name for t in made.tools] == ["get_weather"] and made.tool_choice == "auto"
+    assert made.parallel_tool_calls is True and made.metadata == {"ticket": "T-1"}
+    assert made.output[0].status in ("completed", "incomplete") and made.output[0].content[0].annotations == []
+    assert plain(strict.responses.retrieve(made.id)) == plain(made)
+    with strict.responses.stream(model=sim.model, input="Write about the sea.", max_output_tokens=40,
+                                 store=True, metadata={"run": "1"}) as stream:
+        seen = list(stream)
+        final = stream.get_final_response()
+    done = [e.item for e in seen if e.type == "response.output_item.done"]
+    assert final.metadata == {"run": "1"} and plain(final) == plain(strict.responses.retrieve(final.id))
+    assert [item.to_dict() for item in done] == [plain(item) for item in final.output]
+    assert all(isinstance(m.created, int) and m.owned_by for m in strict.models.list().data)
+    strict.close()
 
 
 def test_background_create_poll_stream_and_resume_the_stream(sdk, sim):

@@ -119,8 +119,13 @@ def test_a_task_nobody_follows_is_logged_in_quiet_windows_and_a_followed_one_in_
     text = "Write a long story about a lighthouse keeper and the sea."
     followed = submit(alice, model_id, text, max_output_tokens=128).json()
     live = alice.sse(followed["events_url"])  # connected while queued or at its start: every batch reaches it
-    hint = hints.get_message(timeout=5)
-    assert hint is not None and hint["data"].decode() == followed["response_id"]
+    # The channel is the Redis server's: tests running beside this one publish their own follows on it.
+    deadline, heard = time.monotonic() + 5, []
+    while followed["response_id"] not in heard and time.monotonic() < deadline:
+        hint = hints.get_message(timeout=max(0.01, deadline - time.monotonic()))
+        if hint is not None and hint["type"] == "message":
+            heard.append(hint["data"].decode())
+    assert followed["response_id"] in heard, heard
     alone = submit(alice, model_id, text, max_output_tokens=128).json()
     wait_status(alice, alone["id"], {"succeeded"})
     quiet = alice.sse(alone["events_url"])  # its log, read once it ended: nobody followed it live

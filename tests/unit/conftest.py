@@ -129,5 +129,6 @@ def problem(resp, status: int, code: str) -> dict:
     doc = resp.get_json()
     assert doc["code"] == code and doc["status"] == status, doc
     assert doc["type"] == f"/lmsp/v1/errors#{code}" and doc["title"] and doc["detail"]
+    assert doc["message"] == doc["detail"]  # what OpenAI's clients show of an error
     assert resp.headers["LMSP-Version"] == "1.0"
     return doc

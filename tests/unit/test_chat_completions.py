@@ -80,6 +80,9 @@ def test_chunks_of_a_stream():
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 10
     assert all(c["usage"] is None for c in chunks[:-1]) and {c["id"] for c in chunks} == {"resp_1"}
     assert all("usage" not in c for c in chunks_of(response(), include_usage=False))
+    # tool_choice required or named: no text can come, so content is null from the start, as in the completion
+    forced = "".join(map(Chunks("m", False, calls_only=True), events.of_response(response(output=[CALL]))))
+    assert json.loads(forced.split("\n")[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": None}
     failed = chunks_of(response("failed", output=[], error={"code": "generation_failed", "detail": "boom",
                                                             "status": 500}), include_usage=True)
     assert failed[-1]["error"]["code"] == "generation_failed" and failed[-1]["error"]["message"] == "boom"

@@ -357,6 +357,10 @@ def test_cli_tail_prints_text_marks_a_retry_and_exits_by_outcome(env, run_cli):
                    log=[(events.CREATED, {"status": "in_progress"}),
                         (events.FAILED, {"status": "failed", "error": {"code": "server_restarted"}})])
     assert run_cli("tail", failed).exit_code == 1
+    cancelled = _task(env, principal="bob", status="cancelled",
+                      log=[(events.CREATED, {"status": "in_progress"}), (events.TEXT_DELTA, {"delta": "a b c"}),
+                           (events.CANCELLED, {"status": "cancelled", "response": {"usage": {"output_tokens": 36}}})])
+    assert "cancelled · 36 tokens" in run_cli("tail", cancelled).output  # the exact count, not ~ from the text
     lines = run_cli("tail", tid, "--json").output.splitlines()
     assert json.loads(lines[0])["event"] == "response.created" and json.loads(lines[-1])["data"]["id"] == tid
 
@@ -368,6 +372,15 @@ def test_cli_errors_say_what_to_do(env, run_cli):
     assert refused.exit_code == 1 and "LMSP_TOKEN" in refused.output
     listed = run_cli("tasks", "list", "--json")
     assert listed.exit_code == 0 and all(t["object"] == "task" for t in json.loads(listed.output))
+
+
+def test_cli_lists_ids_whole_at_80_columns_and_in_a_pipe(env, run_cli, monkeypatch):
+    """An id is what `lmsp tail`, `tasks show` and `tasks cancel` are given: a table never cuts it."""
+    monkeypatch.setenv("COLUMNS", "80")
+    _task(env, principal="bob", log=_log(["x"]))
+    ids = [t["id"] for t in json.loads(run_cli("tasks", "list", "--json").output)]
+    table = run_cli("tasks", "list").output
+    assert ids and all(task_id in table for task_id in ids), table
 
 
 def test_dev_and_serve_refuse_a_port_in_use_and_say_how_to_pick_another(tmp_path):

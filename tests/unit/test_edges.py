@@ -4,6 +4,7 @@ Bad input answers a problem document and changes nothing; streams end; limits ho
 behaviours against the real stack are in tests/functional/test_edges.py.
 """
 
+import io
 import json
 import os
 import threading
@@ -30,6 +31,7 @@ from tests.harness import model_entry, user
 
 MODEL = "smollm2:fast"
 PLAIN = "tiny:plain"  # no streaming, no event streams
+LIMIT = 64 * 1024  # the request body's
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def app(tmp_path_factory):
     ]}))
     url = f"sqlite:///{tmp / 'lmsp.db'}"
     upgrade(url)
-    settings = Settings(home=tmp, database_url=url, models_file=models, redis_url="", max_body_bytes=64 * 1024,
+    settings = Settings(home=tmp, database_url=url, models_file=models, redis_url="", max_body_bytes=LIMIT,
                         auth_failures_per_minute=5, rate_limit_per_second=0)
     app = create_app(settings)
     app.testing = True
@@ -150,6 +152,27 @@ def test_body_over_the_limit_is_413_before_authentication(app, svc):
     problem(resp, 413, "payload_too_large")
 
 
+@pytest.mark.parametrize("size, status", [(LIMIT, 503), (LIMIT + 1, 413), (3 * LIMIT, 413)])
+def test_a_chunked_body_over_the_limit_is_413_not_cut_at_it(client, svc, size, status):
+    """A chunked body has no length to check up front; werkzeug's limited stream ended it at the limit as if
+    that were all of it: JSON followed by spaces past the limit was answered, a string was cut."""
+    start = json.dumps(body(max_output_tokens=2)).encode()
+    data = start + b" " * (size - len(start))
+    stream = io.BytesIO(data)  # as gunicorn hands a chunked body over: no Content-Length, a stream that ends
+    before = rows(svc)
+    resp = client.post("/lmsp/v1/responses", content_type="application/json",
+                       headers={"Transfer-Encoding": "chunked", "Idempotency-Key": f"chunked-{size}"},
+                       environ_overrides={"wsgi.input": stream, "wsgi.input_terminated": True})
+    # Exactly the limit is a body like any other (here no worker serves the model); past it, a 413.
+    doc = problem(resp, status, "model_unavailable" if status == 503 else "payload_too_large")
+    assert doc["type"] == f"/lmsp/v1/errors#{doc['code']}"
+    if status == 413:
+        assert rows(svc) == before
+        # Up to twice the limit is read to its end, so that the connection can be kept alive; past that,
+        # no further (gunicorn then closes the connection).
+        assert stream.tell() == min(size, 2 * LIMIT + 1)
+
+
 def test_bad_tokens_are_rate_limited_per_address_without_lookups(app, svc, token, monkeypatch):
     import api.auth
     lookups = []
@@ -244,6 +267,32 @@ def test_grammar_bombs_are_refused_at_the_door(client, svc):
     problem(client.post("/lmsp/v1/responses", json=body(tools=[{"type": "function", "name": "w", "parameters": wide}])),
             400, "invalid_request", "tools[0].parameters")
     assert rows(svc) == before
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},  # xgrammar: no first token at all
+    {"type": "array", "minItems": 1, "items": {"$ref": "#"}},  # then one more level, for ever
+    {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+])
+def test_a_schema_with_no_finite_value_is_400(client, svc, schema):
+    """Every instance nests without end: xgrammar compiles it, yet no generation held to it can ever end
+    valid (the simulated engine failed such a request with generation_failed)."""
+    before = rows(svc)
+    doc = problem(client.post("/lmsp/v1/responses", json=body(
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})),
+        400, "invalid_request", "response_format.json_schema.schema")
+    assert "finite" in doc["detail"]
+    named = body(tools=[{"type": "function", "name": "f", "parameters": schema}],
+                 tool_choice={"type": "function", "name": "f"})
+    problem(client.post("/lmsp/v1/tasks", json={"type": "response", "input": named}), 400, "invalid_request",
+            "input.tools[0].parameters")
+    assert rows(svc) == before
+    # The same recursion with a way out (an optional member, an empty array) is a schema like any other.
+    for finite in ({"type": "object", "properties": {"next": {"$ref": "#"}}},
+                   {"type": "array", "items": {"$ref": "#"}}):
+        problem(client.post("/lmsp/v1/responses", json=body(
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": finite}})),
+            503, "model_unavailable")  # past the door (no worker in this test)
 
 
 def test_a_schema_the_backend_cannot_compile_is_400(client, svc):

@@ -168,6 +168,13 @@ def test_plain_get_on_the_websocket_route_says_what_it_takes(alice):
     assert "/ws" in doc["detail"]
 
 
+@pytest.mark.parametrize("method, path", [("GET", "/lmsp/v1/models"), ("GET", "/lmsp/v1/tasks/{id}/events")])
+def test_an_upgrade_elsewhere_is_told_every_route_that_takes_one(alice, method, path):
+    path = path.format(id=alice.task("succeeded").id)
+    doc = problem(alice.open(method, path, headers=WS_HANDSHAKE), 400, "invalid_request")
+    assert doc["detail"] == "Only GET /lmsp/v1/responses and GET /lmsp/v1/tasks/{task_id}/ws take a WebSocket upgrade"
+
+
 def test_a_client_that_floods_the_websocket_is_dropped(alice):
     """The server expects no message: one that grows without end closes the socket (and frees the
     thread) instead of filling the process's memory."""
@@ -276,15 +283,24 @@ def _rows(unit) -> tuple[int, int]:
         return tuple(session.execute(select(func.count()).select_from(t)).scalar() for t in (Task, Response))
 
 
-@pytest.mark.parametrize("path, headers, status", [
-    ("/", {"If-Match": '"not-this"'}, 412),
-    ("/static/app.js", {"Range": "bytes=999999999-"}, 416),
+@pytest.mark.parametrize("path, headers, status, code", [
+    ("/", {"If-Match": '"not-this"'}, 412, "precondition_failed"),
+    ("/static/app.js", {"Range": "bytes=999999999-"}, 416, "range_not_satisfiable"),
 ])
-def test_werkzeugs_own_refusals_are_problem_documents_too(unit, path, headers, status):
-    resp = unit.anonymous.get(path, headers=headers)
-    assert resp.status_code == status and resp.mimetype == "application/problem+json", resp.get_data()[:80]
-    doc = resp.get_json()
-    assert doc["status"] == status and doc["title"] and doc["detail"] and resp.headers["LMSP-Version"] == "1.0"
+def test_werkzeugs_own_refusals_are_problem_documents_too(unit, path, headers, status, code):
+    assert problem(unit.anonymous.get(path, headers=headers), status, code)["instance"] == path
+
+
+@pytest.mark.parametrize("status, reason, code", [
+    (414, "URI Too Long", "uri_too_long"), (414, "Request URI Too Long", "uri_too_long"),  # gunicorn's, werkzeug's
+    (431, "Request Header Fields Too Large", "request_header_fields_too_large"),
+    (405, "Method Not Allowed", "method_not_allowed"),
+    (418, "I'm a teapot", "i_m_a_teapot"),  # a status nobody named: its reason phrase, in the same form
+])
+def test_every_http_status_has_a_code_and_a_type_built_from_it(status, reason, code):
+    from api.problems import status_problem
+    doc = status_problem(status, reason, "x").wire()
+    assert (doc["code"], doc["type"], doc["status"]) == (code, f"/lmsp/v1/errors#{code}", status) and doc["title"]
 
 
 @pytest.fixture
@@ -337,18 +353,18 @@ def test_gunicorns_own_refusals_are_problem_documents_too(served):
     """What gunicorn refuses before the app sees it (a request line or headers too large, a request that
     is not HTTP) is answered as the app would: a problem document with LMSP-Version."""
     _, ask = served
-    for raw, status in [(b"GET /lmsp/v1/tasks/" + b"x" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n", 414),
-                        (b"GET /healthz HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer " + b"x" * 9000 + b"\r\n\r\n",
-                         431),
-                        (b"\x16\x03\x01 not http\r\n\r\n", 400),
-                        # gunicorn's own answer is 501: a 5xx would say the service failed
-                        (b"GET /healthz HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: d!\r\n\r\n", 400)]:
+    for raw, status, code in [
+            (b"GET /lmsp/v1/tasks/" + b"x" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n", 414, "uri_too_long"),
+            (b"GET /healthz HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer " + b"x" * 9000 + b"\r\n\r\n", 431,
+             "request_header_fields_too_large"),
+            (b"\x16\x03\x01 not http\r\n\r\n", 400, "invalid_request"),
+            # gunicorn's own answer is 501: a 5xx would say the service failed
+            (b"GET /healthz HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: d!\r\n\r\n", 400, "invalid_request")]:
         got, headers, body = ask(raw)
         doc = json.loads(body)
         assert got == status == doc["status"], (got, doc)
         assert headers["Content-Type"] == "application/problem+json" and headers["LMSP-Version"] == "1.0"
-        assert doc["title"] and doc["detail"] and doc["code"]
-    assert doc["code"] == "invalid_request" and doc["type"] == "/lmsp/v1/errors#invalid_request"
+        assert doc["title"] and doc["detail"] and doc["code"] == code and doc["type"] == f"/lmsp/v1/errors#{code}"
 
 
 def test_a_kept_alive_connection_outlives_a_clients_pause(served):

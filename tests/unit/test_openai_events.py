@@ -13,6 +13,7 @@ from api.services.stored import input_page
 from common import events
 from common.errors import LMSPError
 from common.tables import Response
+from tests.unit.conftest import MODEL, problem
 from worker.output import OutputBuilder
 
 RID = "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"
@@ -85,3 +86,51 @@ def test_input_items_pages_in_both_orders_with_stable_ids():
     with pytest.raises(LMSPError) as caught:
         input_page(row, after="msg_nope", limit=20, order="desc")
     assert caught.value.code == "invalid_request" and caught.value.param == "after"
+
+
+def test_the_sdks_errors_say_what_the_problem_says(unit, alice):
+    """The SDK puts an error body's ``message`` in the exception's text (else only "Error code: 404"):
+    every problem document carries its ``detail`` there too."""
+    import httpx2
+    import openai
+
+    sdk = openai.OpenAI(base_url="http://unit/lmsp/v1", api_key=alice.secret, max_retries=0,
+                        http_client=httpx2.Client(transport=httpx2.WSGITransport(app=unit.app)))
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.responses.retrieve("resp_" + "0" * 26)
+    assert missing.value.code == "response_not_found"
+    assert str(missing.value) == f"Error code: 404 - {missing.value.body['detail']}"
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.responses.create(model=MODEL, input="hi", max_output_tokens=-1)
+    assert bad.value.param == "max_output_tokens" and bad.value.body["detail"] in str(bad.value)
+    with pytest.raises(openai.AuthenticationError) as unknown:
+        sdk.with_options(api_key="not-a-token").models.list()
+    assert unknown.value.body["detail"] in str(unknown.value)
+
+
+def test_a_background_responses_stream_resumes_from_last_event_id(unit, alice):
+    """An SSE client reconnects by sending Last-Event-ID by itself (6.4): GET /responses/{id}?stream=true
+    resumes after it, as the task's events do; ``starting_after`` wins over it."""
+    from api.services import background
+    from common.tables import Task
+    from tests.harness import parse_sse
+
+    made = alice.post("/lmsp/v1/responses", {"model": MODEL, "input": "hi", "background": True,
+                                               "store": True}).get_json()
+    with unit.sessions() as session:
+        task = session.get(Task, background.task_of(session, made["id"]).id)
+    rid = made["id"]
+    alice.log(task, [events.TextDelta(response_id=rid, output_index=0, item_id="msg_1", delta="a"),
+                     events.TextDelta(response_id=rid, output_index=0, item_id="msg_1", delta="b"),
+                     events.final(rid, "completed", usage={})], first=2)  # #1: its creation logged it
+
+    def ids(query: str, **headers) -> list[int]:
+        resp = alice.get(f"/lmsp/v1/responses/{rid}?stream=true{query}", headers=headers)
+        assert resp.status_code == 200, resp.get_data(as_text=True)
+        return [seq for seq, _, _ in parse_sse(resp.get_data(as_text=True).splitlines())]
+
+    assert ids("") == [1, 2, 3, 4]
+    assert ids("", **{"Last-Event-ID": "2"}) == [3, 4]
+    assert ids("&starting_after=3", **{"Last-Event-ID": "1"}) == [4]
+    problem(alice.get(f"/lmsp/v1/responses/{rid}?stream=true", headers={"Last-Event-ID": "x"}), 400,
+            "invalid_request")

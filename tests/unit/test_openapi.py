@@ -7,21 +7,25 @@ import jsonschema
 import pytest
 from openapi_spec_validator import OpenAPIV31SpecValidator, validate
 
-from common import events
+from common import events, wire
 from tests.harness import parse_sse
 from tests.unit.conftest import MODEL, task_body
 
 SPEC = "/lmsp/v1/openapi.json"
 USAGE = {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
-OUTPUT = [{"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]},
-          {"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
-          {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}]
+OUTPUT = [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+           "content": [{"type": "output_text", "text": "Hi", "annotations": []}]},
+          {"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}",
+           "status": "completed"},
+          {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}],
+           "status": "completed"}]
 
 
 def response(rid: str = "resp_1", status: str = "completed", **kw) -> dict:
     """A response object as lifecycle events carry it."""
-    return {"id": rid, "object": "response", "created_at": 1, "status": status, "model": MODEL, "output": OUTPUT,
-            "usage": USAGE, "error": None, "incomplete_details": None, "previous_response_id": None, **kw}
+    return wire.ResponseObject(**{
+        "id": rid, "created_at": 1, "status": status, "model": MODEL, "output": OUTPUT, "usage": USAGE,
+        "error": None, "incomplete_details": None, "previous_response_id": None, **kw}).wire()
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +79,13 @@ def test_every_route_is_documented_and_every_documented_route_exists(unit, doc):
     assert routes == documented
 
 
+def test_the_problem_schema_names_every_code_the_api_answers_with(doc):
+    from api.problems import ALL_CODES
+    described = doc["components"]["schemas"]["Problem"]["properties"]["code"]["description"]
+    for code in ("not_found", "method_not_allowed", "uri_too_long", "request_header_fields_too_large", *ALL_CODES):
+        assert f"`{code}`" in described, code
+
+
 def test_every_operation_declares_its_security_and_problems(doc):
     for path, item in doc["paths"].items():
         for method, op in item.items():
@@ -83,7 +94,8 @@ def test_every_operation_declares_its_security_and_problems(doc):
             if not public:
                 assert "401" in op["responses"] and "403" in op["responses"], (method, path)
             # gunicorn refuses an overlong request line or header before any route (api/serve.py)
-            assert "414" in op["responses"] and "431" in op["responses"], (method, path)
+            assert "`uri_too_long`" in op["responses"]["414"]["description"], (method, path)
+            assert "`request_header_fields_too_large`" in op["responses"]["431"]["description"], (method, path)
             for status, response in op["responses"].items():
                 if int(status) >= 400:
                     assert response["content"] == {"application/problem+json": {
@@ -108,7 +120,7 @@ def test_task_and_response_answers(doc, alice):
     body = check(doc, alice, "GET", "/lmsp/v1/tasks/{task_id}", f"/lmsp/v1/tasks/{task.id}", 200)
     assert body["response"]["output"] == OUTPUT
     body = check(doc, alice, "GET", "/lmsp/v1/responses/{response_id}", f"/lmsp/v1/responses/{task.response_id}", 200)
-    assert body["usage"] == USAGE and body["previous_response_id"] is None
+    assert body["usage"] == wire.ResponseUsage(**USAGE).wire() and body["previous_response_id"] is None
     check(doc, alice, "POST", "/lmsp/v1/tasks/{task_id}/cancel", f"/lmsp/v1/tasks/{task.id}/cancel", 409)
 
     task = alice.task("queued")  # nothing generated yet: usage, response and error are null
@@ -134,7 +146,7 @@ def test_failed_task_carries_its_problem(doc, alice):
              "code": "server_restarted", "detail": "restarted"}
     task = alice.task("failed", error=error, response={"status": "failed", "error": error})
     body = check(doc, alice, "GET", "/lmsp/v1/tasks/{task_id}", f"/lmsp/v1/tasks/{task.id}", 200)
-    assert body["error"] == error  # absent members stay absent, never null
+    assert body["error"] == {**error, "message": "restarted"}  # absent members stay absent, never null
 
 
 def test_event_stream_matches_the_event_schemas(doc, alice):

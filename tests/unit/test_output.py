@@ -26,7 +26,7 @@ def test_reasoning_becomes_a_reasoning_item_with_summary_text():
     names = [n for n, _ in emitted]
     assert names[0] == events.ITEM_ADDED and emitted[0][1]["item"]["type"] == "reasoning"
     done = [d["item"] for n, d in emitted if n == events.ITEM_DONE]
-    assert done[0] == {"id": done[0]["id"], "type": "reasoning",
+    assert done[0] == {"id": done[0]["id"], "type": "reasoning", "status": "completed",
                        "summary": [{"type": "summary_text", "text": "First, add the numbers."}]}
     assert done[1]["type"] == "message" and done[1]["content"][0]["text"] == "The answer is 5."
     assert [d["output_index"] for n, d in emitted if n == events.ITEM_DONE] == [0, 1]
@@ -61,8 +61,20 @@ def test_auto_mode_plain_answer_streams_and_malformed_call_stays_text():
 def test_empty_generation_still_answers_one_message():
     emitted = run(OutputBuilder("resp_1", "text"), [])
     assert [n for n, _ in emitted] == [events.ITEM_ADDED, events.PART_ADDED, events.ITEM_DONE]
-    assert emitted[2][1]["item"]["content"] == [{"type": "output_text", "text": ""}]
-    assert emitted[1][1]["part"] == {"type": "output_text", "text": ""}  # before any delta: the OpenAI SDK's helper
+    assert emitted[2][1]["item"]["content"] == [{"type": "output_text", "text": "", "annotations": []}]
+    # before any delta: the OpenAI SDK's helper
+    assert emitted[1][1]["part"] == {"type": "output_text", "text": "", "annotations": []}
+
+
+def test_items_are_in_progress_until_done_and_incomplete_when_cut():
+    builder = OutputBuilder("resp_1", "text", reasoning=True)
+    emitted = sent(builder.feed("<think>hm</think>Once upon") + builder.finish(cut=True))
+    assert [d["item"]["status"] for n, d in emitted if n == events.ITEM_ADDED] == ["in_progress"] * 2
+    # The reasoning ended before the token limit; the message did not.
+    assert [d["item"]["status"] for n, d in emitted if n == events.ITEM_DONE] == ["completed", "incomplete"]
+    assert [item["status"] for item in builder.items] == ["completed", "incomplete"]
+    calls = run(OutputBuilder("resp_1", "tool_auto"), ['<tool_call>{"name": "f", "arguments": {}}</tool_call>'])
+    assert [d["item"]["status"] for _, d in calls] == ["in_progress", "completed"]
 
 
 def test_replay_rebuilds_state_and_continues_the_same_item():
@@ -75,7 +87,7 @@ def test_replay_rebuilds_state_and_continues_the_same_item():
     emitted = sent(resumed.feed(" a time") + resumed.finish())
     assert emitted[0] == (events.TEXT_DELTA, {"response_id": "resp_1", "output_index": 0,
                                               "item_id": logged[0][1]["item"]["id"], "content_index": 0,
-                                              "delta": " a time"})
+                                              "delta": " a time", "logprobs": []})
     assert resumed.items[0]["content"][0]["text"] == "Once upon a time"
 
 

@@ -24,7 +24,9 @@ def doc(unit):
 def test_refusals_come_before_the_handshake_as_documented_problems(doc, alice):
     op = doc["paths"][PATH]["get"]
     assert "101" in op["responses"] and op["x-lmsp-scope"] == "responses:write"
-    check(doc, alice, "GET", PATH, PATH, 405)  # not an upgrade: only POST takes a plain request
+    # Not an upgrade: only POST takes a plain request, and Allow says so (GET is the WebSocket mode's)
+    check(doc, alice, "GET", PATH, PATH, 405)
+    assert alice.get(PATH).headers["Allow"] == "OPTIONS, POST"
     check(doc, alice, "GET", PATH, PATH, 400, headers={**UPGRADE, "Sec-WebSocket-Key": "short"})
     reader = alice.unit.as_(alice.principal, "responses:read")
     check(doc, reader, "GET", PATH, PATH, 403, headers={**UPGRADE, "Sec-WebSocket-Key": KEY})

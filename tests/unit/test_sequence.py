@@ -41,9 +41,10 @@ def test_a_stream_closed_by_an_event_nobody_numbered_starts_with_created():
      '{"response_id":"resp_1","output_index":1,"item":{"id":"msg_1","type":"message","role":"assistant","content":[]}}'),
     (events.ContentPartAdded(response_id=RID, output_index=0, item_id="msg_1"),
      '{"response_id":"resp_1","output_index":0,"item_id":"msg_1","content_index":0,'
-     '"part":{"type":"output_text","text":""}}'),
+     '"part":{"type":"output_text","text":"","annotations":[]}}'),
     (events.TextDelta(response_id=RID, output_index=0, item_id="msg_1", delta='é "\n'),
-     '{"response_id":"resp_1","output_index":0,"item_id":"msg_1","content_index":0,"delta":"é \\"\\n"}'),
+     '{"response_id":"resp_1","output_index":0,"item_id":"msg_1","content_index":0,"delta":"é \\"\\n",'
+     '"logprobs":[]}'),
     (events.SummaryDelta(response_id=RID, output_index=0, item_id="rs_1", delta="hm"),
      '{"response_id":"resp_1","output_index":0,"item_id":"rs_1","summary_index":0,"delta":"hm"}'),
     (events.final(RID, "completed", usage=USAGE, response=OBJ),

@@ -48,6 +48,9 @@ def test_engine_sim_in_models_yaml():
     assert resolve_engine(spec, detect_machine()).resolved["device"] == "sim"
     with pytest.raises(ValueError, match="engine kind"):
         ModelSpec(**model_entry("s", engine={"kind": "tpu"}))
+    # A misspelt key would leave its default in force unseen: the simulator would run at 40 tokens/s
+    with pytest.raises(ValueError, match="simulated engine takes ttft_ms, tokens_per_s.*not tokens_per_sec"):
+        ModelSpec(**model_entry("s", engine={"kind": "sim", "tokens_per_sec": 5}))
 
 
 def test_time_to_first_token_decode_rate_and_batch_capacity():
@@ -128,7 +131,15 @@ SCHEMA = {
 def test_structured_output_is_a_valid_document(fast):
     text, deltas = collect(fast, "j", max_tokens=500, json_schema=SCHEMA)
     jsonschema.validate(json.loads(text), SCHEMA)
-    assert deltas[-1].finish_reason == "stop" and len(deltas) > 1  # streamed, then ended by itself
+    assert deltas[-1].finish_reason == "stop"  # ended by itself
+    # Streamed in pieces: at 2,000 tokens/s the document takes 25 ms, and a consumer held off the
+    # GIL that long on a loaded machine gets it merged into one Delta. At 100 tokens/s it takes 0.5 s.
+    slow = make(max_num_seqs=1, ttft_ms=0, tokens_per_s=100, tick_ms=10)
+    try:
+        slow_text, slow_deltas = collect(slow, "s", max_tokens=500, json_schema=SCHEMA)
+        assert slow_text == text and len(slow_deltas) > 1
+    finally:
+        slow.shutdown()
     text, deltas = collect(fast, "k", max_tokens=5, json_schema=SCHEMA)
     assert deltas[-1].finish_reason == "length"  # cut short, as a real engine would be
 

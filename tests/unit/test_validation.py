@@ -1,6 +1,7 @@
 """Bad input (spec 6.1, 7.1, 9, 10): one problem document naming the field, and nothing written."""
 
 import json
+import re
 
 import pytest
 from sqlalchemy import func, select
@@ -179,8 +180,10 @@ def test_body_and_limits(unit, alice):
 
 
 def test_unknown_extensions_are_ignored(alice):
-    body = task_body(extensions={"x-trace": {"a": 1}, "com.example.priority": "high"})
-    assert alice.post("/lmsp/v1/tasks", body).status_code == 202
+    extensions = {"x-trace": {"a": 1}, "com.example.priority": "high"}
+    assert alice.post("/lmsp/v1/tasks", task_body(extensions=extensions)).status_code == 202
+    # On the task envelope too, beside its input (9.1 is the rule of every object)
+    assert alice.post("/lmsp/v1/tasks", {**task_body(), "extensions": extensions}).status_code == 202
 
 
 def test_openai_spellings_are_stored_as_lmsp(unit, alice):
@@ -221,6 +224,20 @@ def test_framework_errors_are_problems(unit, alice):
     resp = alice.open("DELETE", "/lmsp/v1/models")
     problem(resp, 405, "method_not_allowed")
     assert "GET" in resp.headers["Allow"]
+
+
+def test_allow_lists_the_methods_that_work_and_no_other(unit, alice):
+    """RFC 9110 15.5.6: a 405's Allow lists the methods the target takes. Flask adds HEAD and OPTIONS to each
+    route, and a path can have a WebSocket route beside a plain one (/lmsp/v1/responses: its Allow listed GET,
+    and a plain GET was a 405 too)."""
+    methods = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
+    for rule in unit.app.url_map.iter_rules():
+        path = re.sub(r"<[^>]+>", "x", rule.rule)
+        answers = {method: alice.open(method, path) for method in methods}
+        refused = {method for method, resp in answers.items() if resp.status_code == 405}
+        assert refused, path
+        for method in refused:
+            assert set(answers[method].headers["Allow"].split(", ")) == methods - refused, (path, method)
 
 
 def test_problem_documents_are_json(alice):

@@ -1,0 +1,127 @@
+"""The OpenAI SDK with ``_strict_response_validation`` against the api (its WSGI app, the fake worker):
+every object and event it reads validates against its models, so user code that relies on a member
+OpenAI always sends (``for t in r.tools``, a message's ``status``, a part's ``annotations``) works; and
+the request members OpenAI's clients send (``parallel_tool_calls``, ``metadata``) are taken."""
+
+import httpx2
+import openai
+import pytest
+
+from tests.unit.conftest import MODEL, problem, request_body, task_body
+from tests.unit.fake import FakeWorker
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+@pytest.fixture
+def sdk(unit, alice):
+    client = openai.OpenAI(base_url="http://unit/lmsp/v1", api_key=alice.secret, max_retries=0,
+                           _strict_response_validation=True,
+                           http_client=httpx2.Client(transport=httpx2.WSGITransport(app=unit.app)))
+    yield client
+    client.close()
+
+
+def test_create_and_retrieve_validate_and_echo_the_request(unit, sdk):
+    with FakeWorker(unit.sessions, MODEL, text="Hello there"):
+        made = sdk.responses.create(model=MODEL, input="hi", store=True, tools=[WEATHER],
+                                    parallel_tool_calls=True, metadata={"k": "v"})
+        plain = sdk.responses.create(model=MODEL, input="hi")
+    assert [t.name for t in made.tools] == ["get_weather"] and made.tool_choice == "auto"
+    assert made.parallel_tool_calls is True and made.metadata == {"k": "v"}
+    message = made.output[0]
+    assert message.status == "completed" and message.content[0].annotations == []
+    assert made.output_text == "Hello there" and made.usage.output_tokens_details.reasoning_tokens == 0
+    # A request that named none of them: OpenAI's defaults.
+    assert plain.tools == [] and plain.tool_choice == "auto" and plain.parallel_tool_calls is True
+    assert plain.metadata == {}
+    assert sdk.responses.retrieve(made.id).to_dict() == made.to_dict()
+
+
+def test_the_stream_helper_validates_every_event(unit, sdk):
+    with FakeWorker(unit.sessions, MODEL, text="Hello there"):
+        with sdk.responses.stream(model=MODEL, input="hi", store=True, metadata={"run": "7"}) as stream:
+            seen = list(stream)
+            final = stream.get_final_response()
+    assert final.output_text == "Hello there" and final.metadata == {"run": "7"} and final.tools == []
+    stored = sdk.responses.retrieve(final.id)
+    assert stored.metadata == final.metadata and stored.output_text == final.output_text
+    added, part, done = (next(e for e in seen if e.type == kind) for kind in (
+        "response.output_item.added", "response.content_part.added", "response.output_item.done"))
+    # The items and parts the events carry are the final object's, as they were at that moment.
+    assert added.item.status == "in_progress" and added.item.content == []
+    assert part.part.to_dict() == {"type": "output_text", "text": "", "annotations": []}
+    assert done.item.to_dict() == stored.output[0].to_dict()
+
+
+def test_models_validate(sdk):
+    listed = sdk.models.list().data
+    assert MODEL in [m.id for m in listed]
+    assert all(isinstance(m.created, int) and m.owned_by for m in listed)
+
+
+@pytest.mark.parametrize("metadata, param", [
+    ({f"k{i}": "v" for i in range(17)}, "metadata"),
+    ({"k" * 65: "v"}, "metadata"),
+    ({"k": "v" * 513}, "metadata.k"),
+    ({"k": 1}, "metadata.k"),
+    (["k"], "metadata"),
+])
+def test_metadata_beyond_openais_limits_is_refused(alice, metadata, param):
+    doc = problem(alice.post("/lmsp/v1/responses", request_body(metadata=metadata)), 400, "invalid_request")
+    assert doc["param"] == param or doc["param"].startswith(param + "."), doc
+
+
+def test_metadata_at_openais_limits_is_taken(alice):
+    metadata = {f"{i:02}" + "k" * 62: "v" * 512 for i in range(16)}
+    made = alice.post("/lmsp/v1/tasks", task_body(store=True, metadata=metadata))
+    assert made.status_code == 202, made.get_json()
+    assert alice.get(f"/lmsp/v1/responses/{made.get_json()['response_id']}").get_json()["metadata"] == metadata
+
+
+def test_parallel_tool_calls_false_is_refused_as_chat_completions_does(alice):
+    for path, body in (("/lmsp/v1/responses", request_body(parallel_tool_calls=False)),
+                       ("/lmsp/v1/chat/completions", {"model": MODEL, "parallel_tool_calls": False,
+                                                      "messages": [{"role": "user", "content": "hi"}]})):
+        assert problem(alice.post(path, body), 400, "invalid_request")["param"] == "parallel_tool_calls"
+
+
+def test_a_tasks_response_keeps_its_metadata(alice):
+    made = alice.post("/lmsp/v1/tasks", task_body(store=True, parallel_tool_calls=True,
+                                                  metadata={"ticket": "T-1"}))
+    assert made.status_code == 202, made.get_json()
+    shown = alice.get(f"/lmsp/v1/responses/{made.get_json()['response_id']}").get_json()
+    assert shown["metadata"] == {"ticket": "T-1"} and shown["parallel_tool_calls"] is True
+
+
+def test_rows_stored_before_the_echo_show_the_tools_their_request_named(tmp_path):
+    """Migration 0011 fills the echo of earlier rows from their requests (SQLite here; Postgres in
+    tests/functional/test_migrations.py's upgrade of filled databases)."""
+    import json
+
+    from sqlalchemy import text
+
+    from common.db import make_engine, upgrade
+    from common.resources import response_model
+    from common.tables import Response
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0010")
+    engine = make_engine(url)
+    choice = {"type": "function", "name": "get_weather"}
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO principals (id, created_at) VALUES ('p', 0)"))
+        for rid, request in (("resp_tools", {"model": MODEL, "tools": [WEATHER], "tool_choice": choice}),
+                             ("resp_plain", {"model": MODEL})):
+            conn.execute(text("INSERT INTO responses (id, principal_id, model, request, status, stored, created_at, "
+                              "updated_at) VALUES (:id, 'p', :model, :request, 'completed', 1, 0, 0)"),
+                         {"id": rid, "model": MODEL, "request": json.dumps(request)})
+    upgrade(url)
+    with engine.connect() as conn:
+        echo = dict(conn.execute(text("SELECT id, echo FROM responses")).all())
+    assert json.loads(echo["resp_tools"]) == {"tools": [WEATHER], "tool_choice": choice}
+    assert echo["resp_plain"] is None
+    shown = response_model(Response(id="resp_tools", created_at=0, model=MODEL, status="completed", output=[],
+                                    echo=json.loads(echo["resp_tools"]))).wire()
+    assert shown["tools"] == [WEATHER] and shown["tool_choice"] == choice and shown["metadata"] == {}
