@@ -292,7 +292,7 @@ def _make_partitions(url: str) -> None:
     settings = get_settings()
     engine = make_engine(url, poolclass=NullPool)
     try:
-        partitions.ensure_ahead(engine, time.time() + settings.event_partitions_ahead_seconds,
+        partitions.prepare(engine, time.time() + settings.event_partitions_ahead_seconds,
                                 settings.event_partition_seconds)
     finally:
         engine.dispose()

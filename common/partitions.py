@@ -13,8 +13,8 @@ still needs its events — every task made then has ended more than the retentio
 then is still open. A task running for days holds its period back for that long; the rows of the tasks
 that did expire stay unread until then. Nothing deletes events row by row.
 
-Both run from the sweeper (``maintain``: one worker at a time, under an advisory lock) and from
-``lmsp migrate``. Every step can be killed and rerun (invariant 15). Periods are made in one transaction
+Both run from the sweeper (``maintain``) and from ``lmsp migrate`` (``prepare``), one process at a time
+under an advisory lock (a sweeper skips its pass while another holds it; a migrate waits). Every step can be killed and rerun (invariant 15). Periods are made in one transaction
 with the tail's move past them (nothing is ever left without a partition; the tail's detach is the one
 lock inserts wait for, at most 200 ms, once per half look-ahead); retention detaches CONCURRENTLY, a lock
 inserts and reads never wait for. Every pass first finishes what a killed one left (``repair``: a detach
@@ -40,7 +40,7 @@ log = logging.getLogger("lmsp.partitions")
 
 PARENT = "events"
 TAIL = "events_ptail"
-_LOCK = 0x6C6D7370  # pg_try_advisory_lock key: one maintainer at a time
+_LOCK = 0x6C6D7370  # the advisory lock's key: one maintainer at a time (``_maintainer``)
 # created_at and a response id's time are two reads of one host's clock: a period's responses are
 # looked for with this much slack on either side, so a boundary never hides one.
 _SLACK = 60.0
@@ -272,8 +272,8 @@ def maintain(engine: Engine, *, retention: float, width: float, ahead: float) ->
     still under half the promise afterwards is the alarm."""
     if not partitioned(engine):
         return
-    with _admin(engine) as conn:
-        if not conn.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK,)).fetchone()[0]:
+    with _maintainer(engine, wait=False) as conn:
+        if conn is None:
             return
         try:
             repair(conn, retention)
@@ -283,8 +283,33 @@ def maintain(engine: Engine, *, retention: float, width: float, ahead: float) ->
                 ensure_ahead(engine, now + ahead, width)
             drop_expired(engine, retention)
         finally:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK,))
             _alarm(engine, ahead)
+
+
+def prepare(engine: Engine, until: float, width: float) -> int:
+    """``ensure_ahead`` for ``lmsp migrate``: it waits for a maintainer at work (a sweeper, or another
+    migrate: replicas that each migrate on start run at once, and two passes' detaches and attaches of the
+    tail collide)."""
+    if not partitioned(engine):
+        return 0
+    with _maintainer(engine, wait=True):
+        return ensure_ahead(engine, until, width)
+
+
+@contextmanager
+def _maintainer(engine: Engine, *, wait: bool):
+    """The maintainer's advisory lock, held by a connection of its own (yielded; None when ``wait`` is
+    false and another process holds it). The passes' own connections do the work."""
+    with _admin(engine) as conn:
+        take = "pg_advisory_lock" if wait else "pg_try_advisory_lock"
+        got = conn.execute(f"SELECT {take}(%s)", (_LOCK,)).fetchone()[0]
+        if got is False:
+            yield None
+            return
+        try:
+            yield conn
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK,))
 
 
 def _alarm(engine: Engine, ahead: float) -> None:
