@@ -111,7 +111,7 @@ def outcome(svc, response_id: str, final_name: str, final_data: str) -> tuple[in
     if final_name == events.FAILED:
         # The problem the response failed with, answered for this request (9.3: its instance is the path).
         doc = Problem.model_validate({**json.loads(final_data)["error"], "instance": request.path})
-        return doc.status, json.dumps(doc.wire())
+        return doc.status, json.dumps(doc.answer())
     obj = response_of(svc, response_id)
     return 200, json.dumps(None if obj is None else obj.wire())
 

@@ -36,7 +36,7 @@ _BY_STATUS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed
 
 def problem_response(doc: Problem, headers: dict | None = None, body: str | None = None) -> Response:
     """``body``: ``doc`` as already serialized (a stored outcome, replayed byte for byte)."""
-    resp = Response(json.dumps(doc.wire()) if body is None else body, status=doc.status,
+    resp = Response(json.dumps(doc.answer()) if body is None else body, status=doc.status,
                     mimetype="application/problem+json")
     for key, value in (headers or {}).items():
         resp.headers[key] = value

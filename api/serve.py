@@ -170,7 +170,7 @@ class _WatchedBody:
 
 
 def write_problem(sock, status: int, reason: str, detail: str) -> None:
-    body = json.dumps(status_problem(status, reason, detail or reason).wire()).encode()
+    body = json.dumps(status_problem(status, reason, detail or reason).answer()).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/problem+json\r\n"
             f"Content-Length: {len(body)}\r\nLMSP-Version: {VERSION}\r\n\r\n")
     util.write_nonblock(sock, head.encode("latin-1") + body)

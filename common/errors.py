@@ -92,6 +92,21 @@ class Problem(BaseModel):
     def wire(self) -> dict:
         return self.model_dump(mode="json")
 
+    def answer(self) -> dict:
+        """The document as the body of an HTTP answer: ``wire()`` and an OpenAI-style ``error`` object
+        (RFC 9457 allows extension members). The OpenAI Node SDK reads its exception's message, code,
+        param and type from that member only; without it every error read "404 status code (no body)"."""
+        return {**self.wire(), "error": {"message": self.detail, "type": _openai_type(self.status),
+                                         "code": self.code, "param": self.param}}
+
+
+def _openai_type(status: int) -> str:
+    """The class of error OpenAI's API names in ``error.type``, by status."""
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, "invalid_request_error")
+
 
 def problem(code: str, detail: str, *, instance: str | None = None, **extra) -> dict:
     """``Problem.of`` as JSON data: what a failed response or task stores and an error event carries."""

@@ -130,5 +130,10 @@ def problem(resp, status: int, code: str) -> dict:
     assert doc["code"] == code and doc["status"] == status, doc
     assert doc["type"] == f"/lmsp/v1/errors#{code}" and doc["title"] and doc["detail"]
     assert doc["message"] == doc["detail"]  # what OpenAI's clients show of an error
+    # what the OpenAI Node SDK reads its exception from (only this member)
+    assert doc["error"] == {"message": doc["detail"], "code": code, "param": doc.get("param"),
+                            "type": {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                                     429: "rate_limit_error"}.get(status, "server_error" if status >= 500
+                                                                  else "invalid_request_error")}, doc
     assert resp.headers["LMSP-Version"] == "1.0"
     return doc

@@ -56,6 +56,73 @@ def test_a_replayed_stream_of_every_item_kind_satisfies_the_helper():
     assert state._completed_response.output[1].call_id == "call_1"
 
 
+def stream(builder, chunks, status="completed"):
+    """A response's whole stream as the service sends it: created, the builder's events, its final event."""
+    body = [event for chunk in chunks for event in builder.feed(chunk)] + builder.finish(cut=status != "completed")
+    final = response(builder.items, status)
+    details = {"incomplete_details": {"reason": "max_output_tokens"}} if status == "incomplete" else {}
+    return final, [events.ResponseCreated(response_id=RID, response=events.started(final)), *body,
+                   events.final(RID, status, usage=final["usage"], response={**final, **details}, **details)]
+
+
+def test_the_helpers_listeners_get_the_done_and_argument_events():
+    """``responses.stream()``'s events (what ``for event in stream`` and a listener see) include each
+    text's done event with all of it, and a call's arguments as a delta and a done event."""
+    _, sent = stream(OutputBuilder(RID, "text"), ["Hello", " there"])
+    state, fired = helper(sent)
+    assert [e.type for e in fired] == [
+        "response.created", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    text_done, part_done = fired[5], fired[6]
+    assert text_done.text == "Hello there" and text_done.content_index == 0 and text_done.item_id == fired[1].item.id
+    assert part_done.part.text == "Hello there" and state._completed_response.output_text == "Hello there"
+
+    final, sent = stream(OutputBuilder(RID, "tool_auto"),
+                         ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'])
+    state, fired = helper(sent)
+    assert [e.type for e in fired] == [
+        "response.created", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    arguments = final["output"][0]["arguments"]
+    assert fired[2].delta == fired[2].snapshot == arguments  # the helper's snapshot: the arguments so far
+    assert fired[3].arguments == arguments and fired[3].model_extra["name"] == "get_weather"
+    assert state._completed_response.output[0].arguments == arguments
+
+
+def test_a_reasoning_stream_accumulates_its_summary():
+    reasoning = "First, add the numbers."
+    _, sent = stream(OutputBuilder(RID, "text", reasoning=True),
+                     ["<think>\nFirst, add", " the numbers.</th", "ink>\n", "The answer is 5."])
+    state, fired = helper(sent)
+    kinds = [e.type for e in fired]
+    assert kinds[1:8] == [
+        "response.output_item.added", "response.reasoning_summary_part.added",
+        "response.reasoning_summary_text.delta", "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.done", "response.reasoning_summary_part.done", "response.output_item.done"]
+    opened, text_done, part_done = fired[2], fired[5], fired[6]
+    assert (opened.summary_index, opened.part.text) == (0, "")  # opened before the first delta
+    assert "".join(e.delta for e in fired[3:5]) == text_done.text == part_done.part.text == reasoning
+    done = state._completed_response
+    assert done.output[0].summary[0].text == reasoning and done.output_text == "The answer is 5."
+
+
+@pytest.mark.parametrize("mode, chunks, status", [
+    ("text", ["<think>hm</think>Hello there"], "completed"),
+    ("tool_auto", ['<tool_call>{"name": "f", "arguments": {"a": [1]}}</tool_call>'], "completed"),
+    ("text", ["<think>Let me thi"], "incomplete"),
+    ("text", [], "completed"),
+])
+def test_a_replayed_stream_is_the_live_streams_events(mode, chunks, status):
+    """What an Idempotency-Key's replay sends of a finished response (``of_response``) is what its stream
+    sent, event for event (each text in one delta: here the live one had one too)."""
+    _, live = stream(OutputBuilder(RID, mode, reasoning=True), chunks, status)
+    replayed = events.of_response(live[-1].response)  # the final object, as stored
+    assert [(name, json.loads(data)) for _, name, data in replayed][1:-1] == [
+        (event.name, json.loads(events.encode(event))) for event in live[1:-1]]
+    assert helper(replayed)[1][-1].type == f"response.{status}"
+
+
 def test_without_a_response_on_response_created_the_helper_fails():
     """What the SDK did with the old events (the issue's AttributeError): the test above can fail."""
     with pytest.raises(AttributeError):
@@ -89,8 +156,9 @@ def test_input_items_pages_in_both_orders_with_stable_ids():
 
 
 def test_the_sdks_errors_say_what_the_problem_says(unit, alice):
-    """The SDK puts an error body's ``message`` in the exception's text (else only "Error code: 404"):
-    every problem document carries its ``detail`` there too."""
+    """The SDK puts an error body's ``message`` in the exception's text (else only "Error code: 404"),
+    and its ``code``, ``param`` and ``type`` in the exception, from the body's ``error`` member when it has
+    one (the only place the Node SDK looks): every problem document carries its ``detail`` there too."""
     import httpx2
     import openai
 
@@ -98,14 +166,16 @@ def test_the_sdks_errors_say_what_the_problem_says(unit, alice):
                         http_client=httpx2.Client(transport=httpx2.WSGITransport(app=unit.app)))
     with pytest.raises(openai.NotFoundError) as missing:
         sdk.responses.retrieve("resp_" + "0" * 26)
-    assert missing.value.code == "response_not_found"
-    assert str(missing.value) == f"Error code: 404 - {missing.value.body['detail']}"
+    assert missing.value.code == "response_not_found" and missing.value.type == "not_found_error"
+    detail = missing.value.response.json()["detail"]
+    assert detail.startswith("No stored response") and str(missing.value) == f"Error code: 404 - {detail}"
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.responses.create(model=MODEL, input="hi", max_output_tokens=-1)
-    assert bad.value.param == "max_output_tokens" and bad.value.body["detail"] in str(bad.value)
+    assert bad.value.param == "max_output_tokens" and bad.value.type == "invalid_request_error"
+    assert bad.value.response.json()["detail"] in str(bad.value)
     with pytest.raises(openai.AuthenticationError) as unknown:
         sdk.with_options(api_key="not-a-token").models.list()
-    assert unknown.value.body["detail"] in str(unknown.value)
+    assert unknown.value.code == "unauthorized" and unknown.value.response.json()["detail"] in str(unknown.value)
 
 
 def test_a_background_responses_stream_resumes_from_last_event_id(unit, alice):
