@@ -16,6 +16,18 @@ ITEM_ADDED = "response.output_item.added"
 PART_ADDED = "response.content_part.added"
 TEXT_DELTA = "response.output_text.delta"
 REASONING_DELTA = "response.reasoning_summary_text.delta"
+# Extensions (6.3 allows extra events), as OpenAI's API sends them around the events 6.3 names: the OpenAI
+# SDKs' stream helpers and their listeners (``on("response.output_text.done")``) rely on them. A text or
+# summary ends with its ``.done`` and then its part's, before its item's; a reasoning item's summary part
+# opens before its first delta (the Node SDK's helper appends a delta to that part and fails without one);
+# a function call's arguments come whole, in one delta and their done event, between its item's events.
+TEXT_DONE = "response.output_text.done"
+PART_DONE = "response.content_part.done"
+SUMMARY_PART_ADDED = "response.reasoning_summary_part.added"
+REASONING_DONE = "response.reasoning_summary_text.done"
+SUMMARY_PART_DONE = "response.reasoning_summary_part.done"
+ARGUMENTS_DELTA = "response.function_call_arguments.delta"
+ARGUMENTS_DONE = "response.function_call_arguments.done"
 ITEM_DONE = "response.output_item.done"
 COMPLETED = "response.completed"
 INCOMPLETE = "response.incomplete"
@@ -107,11 +119,69 @@ class TextDelta(PartEvent, kw_only=True):
     logprobs: list[dict] = msgspec.field(default_factory=list)
 
 
+class TextDone(PartEvent, kw_only=True):
+    """A message's text is complete: all of it (what the deltas made), before its part's done event."""
+    name = TEXT_DONE
+    content_index: Literal[0] = 0
+    text: str
+    logprobs: list[dict] = msgspec.field(default_factory=list)
+
+
+class ContentPartDone(PartEvent, kw_only=True):
+    """A message's text part is complete (as its item's done event will carry it)."""
+    name = PART_DONE
+    content_index: Literal[0] = 0
+    part: wire.OutputText
+
+
+def summary_part(text: str = "") -> dict:
+    """A reasoning item's summary_text part (wire.SummaryText), as the builder of output items makes it."""
+    return {"type": "summary_text", "text": text}
+
+
+class SummaryPartAdded(PartEvent, kw_only=True):
+    """A reasoning item's summary part opens (before its first delta), as OpenAI's API sends it."""
+    name = SUMMARY_PART_ADDED
+    summary_index: Literal[0] = 0
+    part: wire.SummaryText = msgspec.field(default_factory=summary_part)
+
+
 class SummaryDelta(PartEvent, kw_only=True):
     """A reasoning item's summary text (its one part)."""
     name = REASONING_DELTA
     summary_index: Literal[0] = 0
     delta: str
+
+
+class SummaryDone(PartEvent, kw_only=True):
+    """A reasoning item's summary text is complete: all of it, before its part's done event."""
+    name = REASONING_DONE
+    summary_index: Literal[0] = 0
+    text: str
+
+
+class SummaryPartDone(PartEvent, kw_only=True):
+    """A reasoning item's summary part is complete. ``status``: ``incomplete`` when the response stopped
+    before the model's reasoning did (token limit, cancel), else not sent (as OpenAI's event)."""
+    name = SUMMARY_PART_DONE
+    summary_index: Literal[0] = 0
+    part: wire.SummaryText
+    status: Literal["incomplete"] | UnsetType = UNSET
+
+
+class ArgumentsDelta(PartEvent, kw_only=True):
+    """A function call's arguments (JSON text), all of them in one delta: a call is parsed only once the
+    model has finished it (6.5), so no earlier piece of it is known."""
+    name = ARGUMENTS_DELTA
+    delta: str
+
+
+class ArgumentsDone(PartEvent, kw_only=True):
+    """A function call's arguments are complete: all of them, and the function's ``name`` (newer OpenAI
+    SDKs' event has it)."""
+    name = ARGUMENTS_DONE
+    arguments: str
+    function_name: str = msgspec.field(name="name")  # sent as ``name``: the struct's ``name`` is the event's
 
 
 class FinalEvent(EventData, kw_only=True):
@@ -161,7 +231,8 @@ class AttemptStarted(EventData, kw_only=True):
 
 
 KINDS: dict[str, type[EventData]] = {kind.name: kind for kind in (
-    ResponseCreated, OutputItemAdded, ContentPartAdded, TextDelta, SummaryDelta, OutputItemDone, Completed,
+    ResponseCreated, OutputItemAdded, ContentPartAdded, TextDelta, TextDone, ContentPartDone, SummaryPartAdded,
+    SummaryDelta, SummaryDone, SummaryPartDone, ArgumentsDelta, ArgumentsDone, OutputItemDone, Completed,
     Incomplete, Failed, Cancelled, ErrorEvent, AttemptStarted)}
 _encode = msgspec.json.Encoder().encode
 
@@ -275,22 +346,35 @@ def ws_frame(seq: int, name: str, data_json: str) -> str:
 def of_response(obj: dict) -> list[Event]:
     """The events a finished response object (6.2) implies, each item's text in one delta, numbered from
     #1: what a replayed Idempotency-Key of a stream sends again (9.2: the original outcome, as it was
-    asked for)."""
+    asked for). The same kinds in the same order as the stream worker/output.py makes."""
     rid = obj["id"]
     out: list[EventData] = [ResponseCreated(response_id=rid, response=started(obj))]
     for index, item in enumerate(obj.get("output") or []):
+        at = {"response_id": rid, "output_index": index}
         if item["type"] == "function_call":  # it arrives complete in its done event (6.5)
-            out.append(OutputItemAdded(response_id=rid, output_index=index,
-                                       item={**item, "arguments": "", "status": "in_progress"}))
+            out += [OutputItemAdded(**at, item={**item, "arguments": "", "status": "in_progress"}),
+                    ArgumentsDelta(**at, item_id=item["id"], delta=item["arguments"]),
+                    ArgumentsDone(**at, item_id=item["id"], arguments=item["arguments"],
+                                  function_name=item["name"])]
+        elif item["type"] == "message":
+            text = "".join(part.get("text", "") for part in item.get("content") or [])
+            out += [OutputItemAdded(**at, item={**item, "content": [], "status": "in_progress"}),
+                    ContentPartAdded(**at, item_id=item["id"])]
+            if text:
+                out.append(TextDelta(**at, item_id=item["id"], delta=text))
+            out += [TextDone(**at, item_id=item["id"], text=text),
+                    ContentPartDone(**at, item_id=item["id"], part=text_part(text))]
         else:
-            field, delta = ("content", TextDelta) if item["type"] == "message" else ("summary", SummaryDelta)
-            out.append(OutputItemAdded(response_id=rid, output_index=index,
-                                       item={**item, field: [], "status": "in_progress"}))
-            if item["type"] == "message":
-                out.append(ContentPartAdded(response_id=rid, output_index=index, item_id=item["id"]))
-            if text := "".join(part.get("text", "") for part in item.get(field) or []):
-                out.append(delta(response_id=rid, output_index=index, item_id=item["id"], delta=text))
-        out.append(OutputItemDone(response_id=rid, output_index=index, item=item))
+            out.append(OutputItemAdded(**at, item={**item, "summary": [], "status": "in_progress"}))
+            if item.get("summary"):  # a summary part is opened by its first text (an empty one has none)
+                text = "".join(part.get("text", "") for part in item["summary"])
+                cut = {"status": "incomplete"} if item.get("status") == "incomplete" else {}
+                out.append(SummaryPartAdded(**at, item_id=item["id"]))
+                if text:
+                    out.append(SummaryDelta(**at, item_id=item["id"], delta=text))
+                out += [SummaryDone(**at, item_id=item["id"], text=text),
+                        SummaryPartDone(**at, item_id=item["id"], part=summary_part(text), **cut)]
+        out.append(OutputItemDone(**at, item=item))
     # The event's usage is 6.3's counts, as when it was first sent (the object's has OpenAI's details too).
     usage = obj.get("usage") and {name: obj["usage"][name] for name in wire.Usage.model_fields}
     out.append(final(rid, obj["status"], usage=usage, error=obj.get("error"),

@@ -1,5 +1,13 @@
 """Generated text -> the output items and events of spec 6.2/6.3.
 
+Each item's events are in the order OpenAI's API sends them (common/events.py): a message's
+``output_item.added``, ``content_part.added``, ``output_text.delta``..., ``output_text.done``,
+``content_part.done``, ``output_item.done``; a reasoning item's ``output_item.added``, then with its first
+text ``reasoning_summary_part.added`` and ``reasoning_summary_text.delta``..., ``reasoning_summary_text.done``,
+``reasoning_summary_part.done``, ``output_item.done``; a function call's ``output_item.added`` (no
+arguments yet), ``function_call_arguments.delta`` (all of them), ``function_call_arguments.done``,
+``output_item.done``.
+
 The builder is fed text as the engine produces it and returns the events to
 emit. It can also be rebuilt from logged events, which is what makes
 ``on_restart: resume`` continue the same items (docs/architecture.md, invariant 6).
@@ -9,12 +17,19 @@ import json
 
 from common import events
 from common.events import (
+    ArgumentsDelta,
+    ArgumentsDone,
     ContentPartAdded,
+    ContentPartDone,
     EventData,
     OutputItemAdded,
     OutputItemDone,
     SummaryDelta,
+    SummaryDone,
+    SummaryPartAdded,
+    SummaryPartDone,
     TextDelta,
+    TextDone,
 )
 from common.ids import new_id
 from common.prompt import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
@@ -92,9 +107,11 @@ class OutputBuilder:
                         "name": name, "arguments": arguments, "status": "completed"}
                 self.items.append(item)
                 index = len(self.items) - 1
-                out.append(OutputItemAdded(response_id=self.rid, output_index=index,
-                                           item={**item, "arguments": "", "status": "in_progress"}))
-                out.append(OutputItemDone(response_id=self.rid, output_index=index, item=item))
+                at = {"response_id": self.rid, "output_index": index}
+                out += [OutputItemAdded(**at, item={**item, "arguments": "", "status": "in_progress"}),
+                        ArgumentsDelta(**at, item_id=item["id"], delta=arguments),
+                        ArgumentsDone(**at, item_id=item["id"], arguments=arguments, function_name=name),
+                        OutputItemDone(**at, item=item)]
             self.buffer = None
         elif self.held:
             out += self._append("reasoning" if self.thinking else "message", self.held)
@@ -125,32 +142,52 @@ class OutputBuilder:
         return out
 
     def _add_text(self, item: dict, text: str) -> Emitted:
+        out: Emitted = []
         parts = item["content"] if item["type"] == "message" else item["summary"]
         if not parts:
             parts.append(_empty_part(item))
+            if item["type"] == "reasoning":  # its summary part opens with its first text (a message's at once)
+                out.append(SummaryPartAdded(response_id=self.rid, output_index=self.open, item_id=item["id"]))
         parts[0]["text"] += text
         delta = TextDelta if item["type"] == "message" else SummaryDelta
-        return [delta(response_id=self.rid, output_index=self.open, item_id=item["id"], delta=text)]
+        out.append(delta(response_id=self.rid, output_index=self.open, item_id=item["id"], delta=text))
+        return out
 
     def _close(self, status: str = "completed") -> Emitted:
         if self.open is None:
             return []
         item = self.items[self.open]
-        if item["type"] == "message" and not item["content"]:
-            item["content"].append(events.text_part())
+        at = {"response_id": self.rid, "output_index": self.open, "item_id": item["id"]}
+        out: Emitted = []
+        if item["type"] == "message":
+            if not item["content"]:
+                item["content"].append(events.text_part())
+            part = item["content"][0]
+            out += [TextDone(**at, text=part["text"]), ContentPartDone(**at, part=_copy(part))]
+        elif item["summary"]:  # a reasoning item with a summary part (none when it had no text)
+            part = item["summary"][0]
+            cut = {"status": "incomplete"} if status == "incomplete" else {}
+            out += [SummaryDone(**at, text=part["text"]), SummaryPartDone(**at, part=_copy(part), **cut)]
         item["status"] = status
         index, self.open = self.open, None
-        return [OutputItemDone(response_id=self.rid, output_index=index, item=_copy(item))]
+        out.append(OutputItemDone(response_id=self.rid, output_index=index, item=_copy(item)))
+        return out
 
     # -- resume ----------------------------------------------------------------------
     def replay(self, name: str, data: dict) -> None:
-        """Rebuild state from a logged event (the snapshot of a running task)."""
+        """Rebuild state from a logged event (the snapshot of a running task). The events that end a part
+        or a function call's arguments change nothing an item's done event does not set; a message's text
+        part opening neither (its first text makes it, as in ``_add_text``)."""
         if name == events.ITEM_ADDED:
             self.items.append(_copy(data["item"]))
             self.open = data["output_index"]
             if data["item"]["type"] == "reasoning":
                 self.raw += THINK_OPEN
                 self.thinking = True
+        elif name == events.SUMMARY_PART_ADDED:  # logged with its first delta: the delta then finds it
+            summary = self.items[data["output_index"]]["summary"]
+            if not summary:
+                summary.append(_empty_part(self.items[data["output_index"]]))
         elif name in (events.TEXT_DELTA, events.REASONING_DELTA):
             item = self.items[data["output_index"]]
             parts = item["content"] if item["type"] == "message" else item["summary"]
@@ -170,7 +207,7 @@ class OutputBuilder:
 
 
 def _empty_part(item: dict) -> dict:
-    return events.text_part() if item["type"] == "message" else {"type": "summary_text", "text": ""}
+    return events.text_part() if item["type"] == "message" else events.summary_part()
 
 
 def _copy(item: dict) -> dict:

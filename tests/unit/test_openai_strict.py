@@ -47,12 +47,47 @@ def test_the_stream_helper_validates_every_event(unit, sdk):
     assert final.output_text == "Hello there" and final.metadata == {"run": "7"} and final.tools == []
     stored = sdk.responses.retrieve(final.id)
     assert stored.metadata == final.metadata and stored.output_text == final.output_text
-    added, part, done = (next(e for e in seen if e.type == kind) for kind in (
-        "response.output_item.added", "response.content_part.added", "response.output_item.done"))
+    assert [e.type for e in seen] == [
+        "response.created", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    added, part, _, text_done, part_done, done = seen[1:7]
     # The items and parts the events carry are the final object's, as they were at that moment.
     assert added.item.status == "in_progress" and added.item.content == []
     assert part.part.to_dict() == {"type": "output_text", "text": "", "annotations": []}
     assert done.item.to_dict() == stored.output[0].to_dict()
+    assert text_done.text == "Hello there" and text_done.logprobs == []
+    assert part_done.part.to_dict() == stored.output[0].content[0].to_dict()
+
+
+@pytest.mark.parametrize("mode, chunks, cut", [
+    ("text", ["<think>hm", "</think>Hello", " there"], False),
+    ("text", ["<think>hm"], True),
+    ("text", [], True),
+    ("tool_auto", ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'], False),
+    ("tool_forced", ['{"name": "get_weather", "arguments": {}}'], False),
+])
+def test_every_item_events_validate_as_the_sdks_events(mode, chunks, cut):
+    """What strict validation does to each event of a stream (the fake worker above answers plain text):
+    the reasoning and function call events too, and those a replayed stream makes (``of_response``)."""
+    import json
+
+    from openai._models import validate_type
+    from openai.types.responses import ResponseStreamEvent
+
+    from common import events
+    from worker.output import OutputBuilder
+
+    builder = OutputBuilder("resp_1", mode, reasoning=True)
+    emitted = [event for chunk in chunks for event in builder.feed(chunk)] + builder.finish(cut=cut)
+    replayed = events.of_response({"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL,
+                                   "status": "completed", "output": builder.items, "usage": None, "error": None})
+    frames = [*events.Sequence().number(emitted), *replayed[1:-1]]
+    assert {name for _, name, _ in frames} - {events.ITEM_ADDED, events.ITEM_DONE, events.PART_ADDED,
+                                              events.TEXT_DELTA, events.REASONING_DELTA}  # the new ones
+    for seq, name, data in frames:
+        event = validate_type(type_=ResponseStreamEvent, value=json.loads(events.typed(seq, name, data)))
+        assert event.type == name and event.sequence_number == seq
 
 
 def test_models_validate(sdk):

@@ -47,6 +47,28 @@ def test_a_stream_closed_by_an_event_nobody_numbered_starts_with_created():
      '"logprobs":[]}'),
     (events.SummaryDelta(response_id=RID, output_index=0, item_id="rs_1", delta="hm"),
      '{"response_id":"resp_1","output_index":0,"item_id":"rs_1","summary_index":0,"delta":"hm"}'),
+    # The extensions OpenAI's API sends (6.3 allows them), with its events' members.
+    (events.TextDone(response_id=RID, output_index=0, item_id="msg_1", text="hi"),
+     '{"response_id":"resp_1","output_index":0,"item_id":"msg_1","content_index":0,"text":"hi","logprobs":[]}'),
+    (events.ContentPartDone(response_id=RID, output_index=0, item_id="msg_1", part=events.text_part("hi")),
+     '{"response_id":"resp_1","output_index":0,"item_id":"msg_1","content_index":0,'
+     '"part":{"type":"output_text","text":"hi","annotations":[]}}'),
+    (events.SummaryPartAdded(response_id=RID, output_index=0, item_id="rs_1"),
+     '{"response_id":"resp_1","output_index":0,"item_id":"rs_1","summary_index":0,'
+     '"part":{"type":"summary_text","text":""}}'),
+    (events.SummaryDone(response_id=RID, output_index=0, item_id="rs_1", text="hm"),
+     '{"response_id":"resp_1","output_index":0,"item_id":"rs_1","summary_index":0,"text":"hm"}'),
+    (events.SummaryPartDone(response_id=RID, output_index=0, item_id="rs_1", part=events.summary_part("hm")),
+     '{"response_id":"resp_1","output_index":0,"item_id":"rs_1","summary_index":0,'
+     '"part":{"type":"summary_text","text":"hm"}}'),
+    (events.SummaryPartDone(response_id=RID, output_index=0, item_id="rs_1", part=events.summary_part("h"),
+                            status="incomplete"),
+     '{"response_id":"resp_1","output_index":0,"item_id":"rs_1","summary_index":0,'
+     '"part":{"type":"summary_text","text":"h"},"status":"incomplete"}'),
+    (events.ArgumentsDelta(response_id=RID, output_index=1, item_id="fc_1", delta='{"a": 1}'),
+     '{"response_id":"resp_1","output_index":1,"item_id":"fc_1","delta":"{\\"a\\": 1}"}'),
+    (events.ArgumentsDone(response_id=RID, output_index=1, item_id="fc_1", arguments="{}", function_name="f"),
+     '{"response_id":"resp_1","output_index":1,"item_id":"fc_1","arguments":"{}","name":"f"}'),
     (events.final(RID, "completed", usage=USAGE, response=OBJ),
      '{"response_id":"resp_1","status":"completed","response":{"id":"resp_1","object":"response","status":'
      '"in_progress"},"usage":{"input_tokens":1,"output_tokens":2,"total_tokens":3}}'),
