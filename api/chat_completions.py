@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, f
 
 from common import events
 from common.errors import LMSPError, problem
-from common.protocol import JsonSchema, Name, ParallelToolCalls, Strict, TokenCount, parse
+from common.protocol import JsonSchema, Name, ParallelToolCalls, SdkParsed, Strict, TokenCount, parse
 
 log = logging.getLogger("lmsp.api")
 DONE = "data: [DONE]\n\n"
@@ -48,6 +48,7 @@ class UserMessage(Strict):
 class CalledFunction(Strict):
     name: Name
     arguments: StrictStr
+    parsed_arguments: SdkParsed = None
 
 
 class ToolCall(Strict):
@@ -66,6 +67,7 @@ class AssistantMessage(Strict):
     annotations: list | None = None
     audio: None = None
     function_call: None = None
+    parsed: SdkParsed = None
 
 
 class ToolMessage(Strict):

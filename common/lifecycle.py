@@ -87,10 +87,11 @@ def restarted_error(detail: str) -> dict:
 
 # -- creating work (api) ------------------------------------------------------------------------
 def new_response(*, principal: str, model: str, request: dict, input_tokens: int, max_tokens: int,
-                 status: R, stored: bool, previous_response_id: str | None) -> Response:
+                 status: R, stored: bool, previous_response_id: str | None,
+                 instructions: str | None = None) -> Response:
     now = time.time()
     return Response(id=new_id("response"), principal_id=principal, model=model, request=request,
-                    echo=echoed(request), input_tokens=input_tokens, max_tokens=max_tokens, status=status,
+                    echo=echoed(request, instructions), input_tokens=input_tokens, max_tokens=max_tokens, status=status,
                     stored=stored, previous_response_id=previous_response_id, created_at=now, updated_at=now)
 
 

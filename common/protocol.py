@@ -75,16 +75,28 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# What the OpenAI SDKs' helpers add to an output they return (``responses.parse``, ``stream``'s final
+# response, a chat completion's ``parse``): sent back with it as the conversation's history, not read.
+SdkParsed = object | None
+
+
 class TextPart(Strict):
     type: Literal["input_text", "output_text"]
     text: StrictStr
     annotations: list | None = None  # an output part sent back as it was received; not read
+    logprobs: list | None = None
+    parsed: SdkParsed = None
+
+
+def _developer(role: str) -> str:
+    # OpenAI's newer name for the system role (its models give it the system role's place)
+    return "system" if role == "developer" else role
 
 
 class MessageItem(Strict):
     type: Literal["message"]
     id: str | None = None
-    role: Literal["system", "user", "assistant"]
+    role: Annotated[Literal["system", "user", "assistant"], BeforeValidator(_developer)]
     content: StrictStr | list[TextPart]
     status: str | None = None
 
@@ -99,6 +111,7 @@ class FunctionCallItem(Strict):
     name: str = Field(min_length=1)
     arguments: Annotated[StrictStr, AfterValidator(_arguments)]
     status: str | None = None
+    parsed_arguments: SdkParsed = None
 
 
 class FunctionCallOutputItem(Strict):
@@ -106,6 +119,7 @@ class FunctionCallOutputItem(Strict):
     id: str | None = None
     call_id: str = Field(min_length=1)
     output: StrictStr
+    status: str | None = None
 
 
 class SummaryPart(Strict):
@@ -170,8 +184,17 @@ class FlatJsonSchemaFormat(Strict):
     strict: StrictBool | None = None
 
 
+class JsonObjectFormat(Strict):
+    """Any JSON object (OpenAI's JSON mode): held to the schema of any object."""
+    type: Literal["json_object"]
+
+
 class TextConfig(Strict):
-    format: Annotated[TextFormat | FlatJsonSchemaFormat, Field(discriminator="type")] | None = None
+    format: Annotated[TextFormat | FlatJsonSchemaFormat | JsonObjectFormat, Field(discriminator="type")] | None = None
+
+
+class ResponseStreamOptions(Strict):
+    include_obfuscation: StrictBool | None = None  # padding against length side channels: none is sent
 
 
 class ResponseRequest(Strict):
@@ -184,6 +207,7 @@ class ResponseRequest(Strict):
     stream: StrictBool = False
     max_output_tokens: TokenCount | None = None
     temperature: float | None = Field(default=None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(default=None, ge=1, le=1, strict=True, description="Only 1 (no nucleus cut)")
     # Extensions of 6.1 that Chat Completions needs (api/chat_completions.py): generation ends before
     # any of these strings (left out of the text), and a seed makes sampling repeatable.
     stop: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=200)]],
@@ -199,7 +223,13 @@ class ResponseRequest(Strict):
     extensions: dict | None = None
     text: TextConfig | None = None
     background: StrictBool | None = None
+    # OpenAI's members with nothing to do here: an end user's id for the client's own records (not read),
+    # the default truncation (``auto`` would drop input items unasked: refused), stream options.
+    user: StrictStr | None = None
+    truncation: Literal["disabled"] | None = None
+    stream_options: ResponseStreamOptions | None = None
     _format_param: str = PrivateAttr("response_format")  # how the client spelled it: errors name that
+    _instructions: str | None = PrivateAttr(None)  # as given, for the response object (``given_instructions``)
 
     @field_validator("background")
     @classmethod
@@ -224,15 +254,24 @@ class ResponseRequest(Strict):
             self.input = [MessageItem(type="message", role="user", content=self.input)]
         if self.instructions is not None:
             self.input = [MessageItem(type="message", role="system", content=self.instructions), *self.input]
-            self.instructions = None
+            self._instructions, self.instructions = self.instructions, None
         fmt = self.text.format if self.text is not None else None
-        if fmt is not None:
+        if isinstance(fmt, JsonObjectFormat):
+            self.response_format = JsonSchemaFormat(type="json_schema", json_schema=JsonSchemaSpec(
+                name="json_object", schema={"type": "object"}))
+        elif fmt is not None:
             self.response_format = fmt if isinstance(fmt, TextFormat) else JsonSchemaFormat(
                 type="json_schema", json_schema=JsonSchemaSpec(
                     name=fmt.name, schema=fmt.schema_, description=fmt.description, strict=fmt.strict))
+        if fmt is not None:
             self._format_param = "text.format"
         self.text = None
         return self
+
+    @property
+    def given_instructions(self) -> str | None:
+        """``instructions`` as the client gave them (folded into ``input`` as a system message)."""
+        return self._instructions
 
     @property
     def format_param(self) -> str:

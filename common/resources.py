@@ -33,12 +33,16 @@ def event_response(r: Response, queued: bool = False) -> dict:
 
 # The request's members a response object repeats, as OpenAI's Response does (wire.ResponseObject shows
 # each one a request left out as its default).
-ECHOED = ("tools", "tool_choice", "metadata")
+ECHOED = ("tools", "tool_choice", "metadata", "temperature", "top_p", "background")
 
 
-def echoed(request: dict) -> dict | None:
-    """A new response row's ``echo``: what it keeps of its ``request`` (stored as the api parsed it)."""
-    return {name: request[name] for name in ECHOED if name in request} or None
+def echoed(request: dict, instructions: str | None = None) -> dict | None:
+    """A new response row's ``echo``: what it keeps of its ``request`` (stored as the api parsed it), and
+    the ``instructions`` as given (the request holds them as its first message)."""
+    kept = {name: request[name] for name in ECHOED if request.get(name) is not None}
+    if instructions is not None:
+        kept["instructions"] = instructions
+    return kept or None
 
 
 def _fields(r: Response, queued: bool) -> dict:

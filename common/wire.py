@@ -159,6 +159,11 @@ class ResponseObject(Shape):
     parallel_tool_calls: Literal[True] = Field(True, description="Always true: a turn may call several tools "
                                                                   "(false is refused when asked)")
     metadata: dict[str, str] = Field({}, description="The request's metadata")
+    instructions: str | None = Field(None, description="The request's instructions (the model read them as "
+                                                       "a system message first)")
+    temperature: float | None = Field(None, description="The request's temperature")
+    top_p: float | None = Field(None, description="The request's top_p")
+    background: bool = Field(False, description="Whether it was made with background: true")
 
 
 class InputItemList(Shape):

@@ -99,6 +99,11 @@ def _listed(response_id: str, place: int, item: dict) -> dict:
     if out["type"] == "message" and isinstance(out.get("content"), str):  # the OpenAI shape: parts
         kind = "output_text" if out.get("role") == "assistant" else "input_text"
         out["content"] = [{"type": kind, "text": out["content"]}]
+    if out["type"] == "message":  # an output text part and an item have members the OpenAI SDK requires
+        out["content"] = [{"annotations": [], **part} if part.get("type") == "output_text" else part
+                          for part in out["content"]]
+    if out["type"] != "reasoning" or "status" in out:
+        out.setdefault("status", "completed")
     return out
 
 

@@ -30,7 +30,7 @@ def _response_row(prepared: Prepared, principal: str, status: R, stored: bool) -
         principal=principal, model=prepared.spec.id,
         request=req.model_dump(mode="json", by_alias=True, exclude_none=True),
         input_tokens=prepared.input_tokens, max_tokens=prepared.max_tokens, status=status, stored=stored,
-        previous_response_id=req.previous_response_id)
+        previous_response_id=req.previous_response_id, instructions=req.given_instructions)
 
 
 def ensure_available(svc: Services, session: Session, model_id: str) -> None:

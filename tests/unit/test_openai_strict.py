@@ -90,6 +90,63 @@ def test_every_item_events_validate_as_the_sdks_events(mode, chunks, cut):
         assert event.type == name and event.sequence_number == seq
 
 
+def test_openais_request_members_are_taken_and_the_response_repeats_them(unit, sdk):
+    """What an OpenAI client sends that LMSP spells otherwise or does not need: ``developer`` (the system
+    role's newer name), ``top_p`` 1, JSON mode, ``user``, ``truncation: disabled``, ``stream_options``;
+    the response repeats ``instructions``, ``temperature``, ``top_p`` and ``background`` as OpenAI's does."""
+    from api.services import background
+    from common.tables import Response
+
+    made = sdk.responses.create(model=MODEL, background=True, store=True, instructions="Be brief.",
+                                temperature=0.5, top_p=1, user="u-1", truncation="disabled",
+                                text={"format": {"type": "json_object"}},
+                                input=[{"role": "developer", "content": "Answer in JSON."},
+                                       {"role": "user", "content": "hi"}])
+    assert (made.instructions, made.temperature, made.top_p, made.background) == ("Be brief.", 0.5, 1, True)
+    assert sdk.responses.retrieve(made.id).instructions == "Be brief."
+    with unit.sessions() as session:
+        request = session.get(Response, made.id).request
+        assert background.task_of(session, made.id) is not None
+    assert [m["role"] for m in request["input"]] == ["system", "system", "user"]
+    assert request["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    plain = sdk.responses.create(model=MODEL, input="hi", background=True, store=True)
+    assert (plain.instructions, plain.temperature, plain.top_p, plain.background) == (None, None, None, True)
+    with FakeWorker(unit.sessions, MODEL):
+        direct = sdk.responses.create(model=MODEL, input="hi", stream_options={"include_obfuscation": False})
+    assert direct.background is False and direct.status == "completed"
+
+
+def test_what_the_sdks_helpers_return_goes_back_as_history(unit, sdk):
+    """``parse`` and the stream helpers add ``parsed`` to a text part and ``parsed_arguments`` to a function
+    call (the Node SDK too, and ``parsed`` to a chat message): sending such output back as the next
+    request's input is how a client keeps a conversation by hand. The input items list shows those items
+    with the members OpenAI's items have."""
+    from api.chat_completions import response_body
+
+    history = [{"role": "user", "content": "hi"},
+               {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": '{"a": 1}', "annotations": [], "logprobs": [],
+                             "parsed": {"a": 1}}]},
+               {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "Oslo"}', "parsed_arguments": {"city": "Oslo"}, "status": "completed"},
+               {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+               {"role": "assistant", "content": "Sunny."},
+               {"role": "user", "content": "thanks"}]
+    made = sdk.responses.create(model=MODEL, input=history, tools=[WEATHER], background=True, store=True)
+    listed = sdk.responses.input_items.list(made.id, order="asc").data  # each item strictly validated
+    assert [item.type for item in listed] == ["message", "message", "function_call", "function_call_output",
+                                              "message", "message"]
+    assert listed[4].status == "completed" and listed[4].content[0].annotations == []  # sent as a string
+    assert listed[3].status == "completed"
+    chat, _ = response_body({"model": MODEL, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": '{"a": 1}', "refusal": None, "parsed": {"a": 1}, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}", "parsed_arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    assert chat.messages[1].parsed == {"a": 1}
+
+
 def test_models_validate(sdk):
     listed = sdk.models.list().data
     assert MODEL in [m.id for m in listed]

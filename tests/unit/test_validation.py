@@ -52,7 +52,10 @@ INVALID = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"previous_response_id": 5}, "previous_response_id"),
     # the OpenAI SDK's spellings (6.1 has the LMSP ones): named as the client spelled them
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"top_p": 0.5}, "top_p"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"input": [{"role": "root", "content": "hi"}]}, "input[0].role"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format.schema"),
     ({"text": {"format": {"type": "text"}}, "response_format": {"type": "text"}}, "text"),
     ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}}, "text.format.name"),
