@@ -22,7 +22,7 @@ TORCH_SOURCE = { [ "$(EXTRA)" != cpu ] || $(BIN)/pip install --quiet --dry-run -
   "$(TORCH_CPU)" >/dev/null 2>&1 || { echo "make: $(TORCH_CPU) is not in pip's configured sources: adding $(TORCH_CPU_INDEX)" >&2; \
   echo "--extra-index-url $(TORCH_CPU_INDEX)"; }; }
 
-.PHONY: install model run test bench fleet chaos chaos-short lint clean browser
+.PHONY: install model run test bench fleet chaos chaos-short lint clean browser node
 
 install: $(STAMP)
 
@@ -68,7 +68,7 @@ SERVER_FREE := tests/unit $(SERVER_FREE_FUNCTIONAL)
 # Tests that build a stack of their own: they follow the faults lane, which ends minutes before the rest.
 OWN_STACKS := tests/functional/test_models.py tests/functional/test_fleet.py tests/functional/test_fairshare.py \
   tests/functional/test_openai_sdk.py tests/functional/test_slow_links.py
-test: model browser
+test: model browser node
 	@$(BIN)/pytest -q -p no:cacheprovider --durations=5 --basetemp=$(VENV)/server-free-tmp $(SERVER_FREE) > $(FREE_LOG) 2>&1 & free=$$!; \
 	{ $(BIN)/pytest -p no:cacheprovider --durations=10 --basetemp=$(VENV)/faults-tmp tests/faults; f=$$?; \
 	  $(BIN)/pytest -p no:cacheprovider --durations=5 --basetemp=$(VENV)/engines-tmp $(OWN_STACKS); \
@@ -94,6 +94,18 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { echo "make: installing chromium for the dashboard test"; \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; } || \
 	  echo "make: could not install chromium (apt-get install -y chromium); the dashboard test will fail"; }
+
+# The OpenAI Node SDK (tests/node, pinned by its lock file) for tests/unit/test_node_sdk.py: Node.js from
+# Debian's packages when there is none, the SDK from npm's registry.
+NODE_SDK := tests/node/node_modules/.package-lock.json
+node: $(NODE_SDK)
+
+$(NODE_SDK): tests/node/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { echo "make: installing Node.js and npm for the Node SDK test"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm || { apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm; }; }
+	@echo "make: installing the OpenAI Node SDK (npm ci in tests/node)"
+	npm ci --prefix tests/node --no-audit --no-fund
 
 bench: model
 	$(BIN)/python -m tests.bench $(FIGURES)

@@ -16,10 +16,12 @@ from worker.output import OutputBuilder
 
 
 class FakeWorker:
-    def __init__(self, sessions, model: str, text: str = "Hello there", gate: threading.Event | None = None):
+    def __init__(self, sessions, model: str, text: str = "Hello there", gate: threading.Event | None = None,
+                 reasoning: bool = False):
         self.sessions = sessions
         self.model = model
         self.text = text
+        self.reasoning = reasoning        # <think>...</think> in text is a reasoning item, as a parser makes it
         self.gate = gate                  # when given, each answer waits for it after claiming the response
         self.claimed = threading.Event()  # set when a response has been claimed
         self.id = f"fake-{model}-{time.monotonic_ns()}"
@@ -60,7 +62,7 @@ class FakeWorker:
         self.claimed.set()
         if self.gate is not None:
             self.gate.wait(30)
-        builder = OutputBuilder(response_id, "text")
+        builder = OutputBuilder(response_id, "text", reasoning=self.reasoning)
         seq = events.Sequence()
         batch = seq.number([events.ResponseCreated(response_id=response_id, response=response_object(row)),
                             *builder.feed(self.text), *builder.finish()])
