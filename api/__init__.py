@@ -5,6 +5,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from flask import Flask
+from werkzeug.middleware.proxy_fix import ProxyFix
 
 from common.broker import make_celery
 from common.bus import Publisher
@@ -42,6 +43,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     ensure_migrated(engine)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    if settings.trusted_proxies:
+        # The client's address as the nearest trusted proxy saw it (what per-address limits count): the
+        # entries a client wrote itself, left of those, are not read.
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.trusted_proxies, x_proto=0, x_host=0, x_port=0,
+                                x_prefix=0)
     app.json.sort_keys = False
     sessions, reads, publisher = session_factory(engine), autocommit(engine), Publisher(settings.redis_url)
     app.extensions["lmsp"] = Services(

@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     ws_max_queued: Count = 32          # response.create events of one connection waiting for their lane
     ws_memory_responses: Count = 16    # finished responses a connection keeps for previous_response_id
     auth_failures_per_minute: int = 30   # bad tokens per client address before 429 (no database lookup)
+    # Reverse proxies in front of the api that append the client's address to X-Forwarded-For: behind
+    # one, every client has its address, and one client's bad tokens would lock out everyone's new ones.
+    trusted_proxies: int = Field(0, ge=0)  # 0: the peer's address is the client's (the header is ignored)
     idempotency_heartbeat_seconds: Interval = 10.0  # an in-flight key unrefreshed for 3 beats is abandoned
     # Structured-output grammars (the constrained-decoding compile budget).
     grammar_max_nodes: Count = 4096        # JSON values in the schema

@@ -197,6 +197,29 @@ def test_bad_tokens_are_rate_limited_per_address_without_lookups(app, svc, token
     svc.auth_failures.counts.clear()
 
 
+def test_behind_a_trusted_proxy_bad_tokens_count_against_the_client_not_the_proxy(tmp_path, monkeypatch):
+    """Found behind nginx: every client had the proxy's address, so 70 bad tokens from one locked out
+    another's new valid token for a minute. With ``LMSP_TRUSTED_PROXIES=1`` the address counted is the
+    one the proxy appended to X-Forwarded-For; without it the header is not read (a client cannot name
+    a fresh address for each guess)."""
+    from tests.unit.conftest import make_unit
+
+    def get(unit, secret, forwarded):
+        return unit.app.test_client().get("/lmsp/v1/models", headers={
+            "Authorization": f"Bearer {secret}", "X-Forwarded-For": forwarded},
+            environ_base={"REMOTE_ADDR": "10.0.0.2"})  # the proxy
+
+    for trusted, carol_answer in ((1, 200), (0, 429)):
+        (tmp_path / f"t{trusted}").mkdir()
+        unit = make_unit(tmp_path / f"t{trusted}", trusted_proxies=trusted, auth_failures_per_minute=5)
+        with unit.sessions() as session:
+            _, carol = create_token(session, "carol", ("models:read",))  # new: never seen by this process
+            session.commit()
+        guesses = [get(unit, "lmsp_" + "A" * 43, f"198.51.100.{i % 2}, 203.0.113.9").status_code for i in range(7)]
+        assert guesses == [401] * 5 + [429] * 2
+        assert get(unit, carol, "203.0.113.10").status_code == carol_answer
+
+
 # --- param names and capabilities ---------------------------------------------------------------
 
 @pytest.mark.parametrize("model, data, param", [
