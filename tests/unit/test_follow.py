@@ -366,3 +366,42 @@ def test_a_storm_of_followers_on_one_task_reads_its_log_once(unit, alice):
     alice.log(task, script[3:], first=4)
     hub.call(hub._deliver, rid, list(events.Sequence(3).number(script[3:])))
     assert [_ids(peer) for peer, _ in storm] == [[1, 2, 3, 4, 5, 6]] * 8
+
+
+def test_a_followers_socket_outlasts_its_stall_cut_and_a_websockets_pong_waits_behind_little():
+    """Found behind a throttled link: the kernel reset a client that had stopped reading after 30 s
+    whatever ``follower_stall_seconds`` said (Linux counts zero-window probes against TCP_USER_TIMEOUT),
+    discarding what it held; and a WebSocket client's ping timed out behind the ~500 KB the kernel had
+    queued ahead of its pong. On a real TCP connection whose client reads nothing: the kernel's timeout
+    comes after the stall cut, and a WebSocket follower's socket takes ~64 KiB, an SSE one its buffer."""
+    import array
+    import fcntl
+    import socket
+
+    from api.live.hub import WS_NOTSENT_BYTES, tune
+    from common.settings import Settings
+
+    settings = Settings(follower_stall_seconds=300)
+
+    def taken(ws: bool) -> tuple[int, int]:
+        with socket.create_server(("127.0.0.1", 0)) as listening, socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+            client.connect(listening.getsockname())
+            sock, _ = listening.accept()
+            with sock:
+                tune(sock, settings, ws)
+                sock.setblocking(False)
+                try:
+                    while True:
+                        sock.send(b"x" * 4096)
+                except BlockingIOError:
+                    pass
+                unsent = array.array("i", [0])
+                fcntl.ioctl(sock.fileno(), 0x894B, unsent)  # SIOCOUTQNSD: bytes not yet sent
+                timeout = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+                return unsent[0], timeout
+
+    ws_unsent, ws_timeout = taken(ws=True)
+    sse_unsent, sse_timeout = taken(ws=False)
+    assert ws_timeout == sse_timeout > settings.follower_stall_seconds * 1000
+    assert ws_unsent <= WS_NOTSENT_BYTES + 16384 < settings.follower_buffer_bytes < sse_unsent
