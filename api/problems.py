@@ -84,10 +84,24 @@ def _allowed(exc: HTTPException) -> list[str] | None:
     return sorted(method for method in methods if takes(method))
 
 
+def _takes_an_upgrade() -> bool:
+    """Whether this method and path are served as a WebSocket upgrade (this request is not one)."""
+    try:
+        current_app.create_url_adapter(request).match(method=request.method, websocket=True)
+    except HTTPException:
+        return False
+    return True
+
+
+def _upgrade_only() -> str:
+    # A proxy that does not pass the two headers on is the usual cause (README, "Behind a reverse proxy").
+    return (f"{request.method} {request.path} is served only as a WebSocket upgrade (Connection: Upgrade, "
+            "Upgrade: websocket); a proxy in front must pass both headers on")
+
+
 def _upgrade_detail() -> str:
     if request.environ.get("HTTP_UPGRADE", "").lower() != "websocket":
-        return (f"{request.method} {request.path} is served only as a WebSocket upgrade (Connection: Upgrade, "
-                "Upgrade: websocket)")
+        return _upgrade_only()
     from api.operations import path_template  # here, not above: api.operations imports this module
 
     routes = sorted(f"{method} {path_template(rule.rule)}" for rule in current_app.url_map.iter_rules()
@@ -142,7 +156,8 @@ def _answer_problems(app: Flask) -> None:
                 return app.make_default_options_response()
             return problem_response(Problem.of("invalid_request", _upgrade_detail(), instance=request.path))
         detail = {404: f"No route {request.path}; the API lives under /lmsp/v1",
-                  405: f"{request.method} is not allowed on {request.path}",
+                  405: _upgrade_only() if exc.code == 405 and _takes_an_upgrade() else
+                  f"{request.method} is not allowed on {request.path}",
                   413: "The request body is larger than the limit"}.get(exc.code, exc.description)
         allowed = _allowed(exc)
         headers = {"Allow": ", ".join(allowed)} if allowed else None

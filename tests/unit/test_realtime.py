@@ -26,7 +26,12 @@ def test_refusals_come_before_the_handshake_as_documented_problems(doc, alice):
     assert "101" in op["responses"] and op["x-lmsp-scope"] == "responses:write"
     # Not an upgrade: only POST takes a plain request, and Allow says so (GET is the WebSocket mode's)
     check(doc, alice, "GET", PATH, PATH, 405)
-    assert alice.get(PATH).headers["Allow"] == "OPTIONS, POST"
+    plain = alice.get(PATH)
+    assert plain.headers["Allow"] == "OPTIONS, POST"
+    # what a proxy that drops the upgrade's headers makes of a client's handshake: said so
+    assert plain.get_json()["detail"] == (f"GET {PATH} is served only as a WebSocket upgrade (Connection: Upgrade, "
+                                          "Upgrade: websocket); a proxy in front must pass both headers on")
+    assert alice.open("PUT", PATH).get_json()["detail"] == f"PUT is not allowed on {PATH}"
     check(doc, alice, "GET", PATH, PATH, 400, headers={**UPGRADE, "Sec-WebSocket-Key": "short"})
     reader = alice.unit.as_(alice.principal, "responses:read")
     check(doc, reader, "GET", PATH, PATH, 403, headers={**UPGRADE, "Sec-WebSocket-Key": KEY})
