@@ -129,10 +129,11 @@ def submit(http: lc.Client, prompt, model, max_output_tokens, on_restart, follow
 
 
 
-def id_column(header: str, ids: list[str]):
-    """A column of ids, whole at any width (80 columns, a pipe): an id is what the next command is given."""
+def whole_column(header: str, values: list[str]):
+    """A column whose values are whole at any width (80 columns, a pipe): an id is what the next command
+    is given, and a state cut to "succeed…" says nothing."""
     from rich.table import Column
-    return Column(header, no_wrap=True, min_width=max(map(len, ids), default=len(header)))
+    return Column(header, no_wrap=True, min_width=max(map(len, [header, *values])))
 
 
 # -- tasks --------------------------------------------------------------------------------------------
@@ -149,8 +150,8 @@ def tasks_list(http: lc.Client, state, limit: int, as_json: bool) -> None:
     if as_json:
         return print_json(rows)
     from rich.table import Table
-    table = Table(id_column("TASK", [t["id"] for t in rows]), "STATE", "TOKENS", "DURATION", "CREATED",
-                  "ON RESTART", box=None)
+    table = Table(whole_column("TASK", [t["id"] for t in rows]), whole_column("STATE", [t["status"] for t in rows]),
+                  "TOKENS", "DURATION", "CREATED", "ON RESTART", box=None)
     for t in rows:
         table.add_row(t["id"], styled(t["status"]), output_tokens(t), duration(t), ago(t["created_at"]),
                       t["on_restart"])

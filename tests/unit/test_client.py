@@ -374,13 +374,14 @@ def test_cli_errors_say_what_to_do(env, run_cli):
     assert listed.exit_code == 0 and all(t["object"] == "task" for t in json.loads(listed.output))
 
 
-def test_cli_lists_ids_whole_at_80_columns_and_in_a_pipe(env, run_cli, monkeypatch):
-    """An id is what `lmsp tail`, `tasks show` and `tasks cancel` are given: a table never cuts it."""
+def test_cli_lists_ids_and_states_whole_at_80_columns_and_in_a_pipe(env, run_cli, monkeypatch):
+    """An id is what `lmsp tail`, `tasks show` and `tasks cancel` are given: a table never cuts it, nor
+    a state ("succeed…")."""
     monkeypatch.setenv("COLUMNS", "80")
     _task(env, principal="bob", log=_log(["x"]))
-    ids = [t["id"] for t in json.loads(run_cli("tasks", "list", "--json").output)]
+    listed = json.loads(run_cli("tasks", "list", "--json").output)
     table = run_cli("tasks", "list").output
-    assert ids and all(task_id in table for task_id in ids), table
+    assert listed and all(t["id"] in table and f" {t['status']} " in table for t in listed), table
 
 
 def test_dev_and_serve_refuse_a_port_in_use_and_say_how_to_pick_another(tmp_path):
