@@ -68,7 +68,8 @@ class SocketSink:
         self.writing = False
 
     def events(self, batch: Batch) -> None:
-        self.send(batch.encoded(self.ws is not None, self.chunked), framed=True)
+        for piece in batch.encoded(self.ws is not None, self.chunked):
+            self.send(piece, framed=True)
 
     def send(self, data: bytes, framed: bool = False) -> None:
         """Queue ``data`` (a chunked SSE body's chunk framing added unless ``framed``)."""
@@ -238,6 +239,9 @@ class SocketSink:
             # Its last frames drain at the client's pace (bounded by the stall), then it lingers.
             if now - (self.moved_at if self.fin_at is None else self.fin_at) > \
                     (settings.follower_stall_seconds if self.fin_at is None else LINGER_SECONDS):
+                if self.fin_at is None:
+                    log.info("follower of %s cut at its end: %d bytes unsent, none taken for %.0f s",
+                             self.follower.response_id, self.queued, now - self.moved_at)
                 self.close()
             return
         if self.out and now - self.moved_at > settings.follower_stall_seconds:
