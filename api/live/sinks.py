@@ -216,6 +216,13 @@ class SocketSink:
         if self.ending:
             if len(data) > GOODBYE_MAX:
                 self.close()  # a goodbye is a few bytes: this client floods instead
+            elif self.ws is not None and len(self.out) > 1:
+                # Our close frame (the last item) is not being written yet: a ping still gets its pong,
+                # ahead of it. A whole log's replay drains at the client's pace, minutes on a slow link,
+                # and a client whose pings go unanswered for 20 s drops the stream (python-websockets).
+                pong, _ = self.ws.receive(data)
+                if pong is not None:
+                    self._urgent(pong)
             return
         if self.ws is not None:
             pong, closing = self.ws.receive(data)

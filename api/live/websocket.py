@@ -13,11 +13,15 @@ import time
 
 from wsproto.connection import Connection, ConnectionState, ConnectionType
 from wsproto.events import CloseConnection, Message, Ping, Pong
+from wsproto.frame_protocol import FrameProtocol
 from wsproto.utilities import LocalProtocolError
 
 PING_FLOOD = 50          # pings in one PING_WINDOW: more is a flood
 PING_WINDOW = 1.0        # seconds
 MAX_MESSAGE = 65536      # a client message (none is expected) longer than this closes the socket (1009)
+# A server's control frames depend on no state: a pong is framed here, as wsproto's connection refuses one
+# once our close is made, though that close may still wait behind frames the pong can go before.
+_CONTROL = FrameProtocol(client=False, extensions=[])
 
 
 class Closing:
@@ -44,7 +48,10 @@ class WebSocket:
 
     def receive(self, data: bytes) -> tuple[bytes | None, Closing | None]:
         """The client's bytes: the pong to send (for the latest ping read), and whether to close."""
-        self.conn.receive_data(data)
+        try:
+            self.conn.receive_data(data)
+        except LocalProtocolError:  # after both closes: nothing more is read
+            return None, None
         now = time.monotonic()
         if now - self.window >= PING_WINDOW:
             self.window, self.pings = now, 0
@@ -63,7 +70,7 @@ class WebSocket:
                 self.message = 0 if event.message_finished else self.message + len(event.data)
                 if self.message > MAX_MESSAGE:
                     return None, self.close(1009, "a WebSocket message over 64 KiB")
-        return (self.conn.send(latest.response()) if latest is not None else None), None
+        return (_CONTROL.pong(latest.payload) if latest is not None else None), None
 
     def _answer(self, event: CloseConnection) -> Closing:
         """The client's close (or a frame wsproto refused, as the close it calls for): answered with

@@ -166,3 +166,32 @@ def test_a_pong_goes_before_the_queued_events_and_replaces_an_unsent_one(unit):
         sink._urgent(b"\x8a\x01" + b"2")
         assert [bytes(item[:3]) for item in sink.out][1:] == [b"\x8a\x012", b"bbb"]
         assert sink.queued == sum(len(item) for item in sink.out)
+
+
+def test_a_ping_while_the_stream_drains_to_its_close_is_answered_before_the_close(unit):
+    """Found on a 64 kbit/s link: a whole log's replay (one page with its final event) ends the follower at
+    once, and its frames then drain at the client's pace; its pings were dropped unread, and the client
+    (python-websockets: 20 s) dropped the stream after ~1,100 of 2,800 frames. The pong goes after the
+    frames being written and before the close; once the close is being written, no pong follows it."""
+    from api.live.follower import FINISHED
+
+    sink, peer = _sink(unit)
+    with peer:
+        sink.send(b"x" * 100_000)
+        sink.finish(FINISHED, None, 7)
+        assert sink.ending and len(sink.out) == 2
+        client = Connection(ConnectionType.CLIENT)
+        peer.sendall(client.send(Ping(b"p1")))
+        wait_for(lambda: sink.on_readable() or len(sink.out) == 3, 5, "the ping was not answered")
+        got = b""
+        while sink.out or len(got) < 100_000:
+            sink.flush()
+            got += peer.recv(1 << 20)  # flush wrote, or the kernel's buffer is full: either way a read
+        client.receive_data(got[100_000:])  # past the stand-in events: the server's control frames
+        seen = list(client.events())
+        assert isinstance(seen[0], Pong) and seen[0].payload == b"p1"
+        assert isinstance(seen[1], CloseConnection) and seen[1].code == 1000
+        # Once its close is being written, a ping gets no pong: nothing may follow the close.
+        peer.sendall(client.send(Ping(b"p2")) if client.state.name == "OPEN" else b"\x89\x82\0\0\0\0p2")
+        sink.on_readable()
+        assert not sink.out
