@@ -27,10 +27,6 @@ log = logging.getLogger("lmsp.live")
 CONFIRM_SECONDS = 1.0      # how long a new follower waits for Redis to confirm its subscription
 SAFETY_NET_SECONDS = 5.0   # a quiet task's log is re-read (then "has it ended" asked) this often
 DIRECT_CHECK_SECONDS = 1.0  # a quiet direct stream asks whether its worker died this often
-# Unacknowledged data this much older than the follower's own stall cut: the kernel drops the connection
-# (a vanished peer). Linux counts a zero window's probes too, so a client that only stopped reading must
-# meet the stall cut first (a clean, resumable end), not the kernel's reset, which discards what it held.
-USER_TIMEOUT_MARGIN_SECONDS = 30.0
 # A WebSocket follower's unsent bytes in the kernel: a pong (or a close) is queued ahead of the follower's
 # own frames but behind these, and clients time their pings out (python-websockets: 20 s). At 64 kbit/s
 # this is 8 s; the kernel's send buffer (``follower_buffer_bytes``, doubled) would be 60.
@@ -42,14 +38,14 @@ _hubs: "weakref.WeakSet[Hub]" = weakref.WeakSet()
 
 
 def tune(sock: socket.socket, settings: Settings, ws: bool) -> None:
-    """A follower's socket options."""
+    """A follower's socket options. No TCP_USER_TIMEOUT: Linux counts a zero window's probes against it
+    even while a slow reader's window opens a little at a time, so it reset clients on slow links that
+    were reading (``SocketSink._acked_lately`` tells a vanished client instead)."""
     # The kernel's send buffer is bounded too: left to autotune it grows to tcp_wmem's maximum (4 MiB
     # on Linux) for a client that stops reading, hiding it from the follower's own bound for as long.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.follower_buffer_bytes)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is written whole: no wait
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
-                        int((settings.follower_stall_seconds + USER_TIMEOUT_MARGIN_SECONDS) * 1000))
         if ws:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, WS_NOTSENT_BYTES)
     except (OSError, AttributeError):

@@ -14,9 +14,12 @@ A sink is told by its follower (``events``, ``finish``) and tells it back only t
 follower's public methods (``end``, ``read_on``, ``more``).
 """
 
+import array
+import fcntl
 import itertools
 import logging
 import socket
+import termios
 import threading
 import time
 from collections import deque
@@ -50,7 +53,8 @@ class SocketSink:
     """A client socket owned by the fan-out thread (``loop``: api/live/loop.py)."""
 
     __slots__ = ("loop", "settings", "sock", "ws", "chunked", "path", "on_close", "follower", "out", "queued",
-                 "sent_at", "moved_at", "pinged", "pong", "ending", "fin_at", "writing")
+                 "sent_at", "moved_at", "pinged", "pong", "ending", "fin_at", "writing", "written", "acked",
+                 "acked_at")
 
     def __init__(self, loop, settings: Settings, sock: socket.socket, ws: bool, path: str,
                  on_close: Callable[[], None], chunked: bool):
@@ -61,7 +65,8 @@ class SocketSink:
         self.follower = None
         self.out: deque = deque()
         self.queued = 0
-        self.sent_at = self.moved_at = self.pinged = time.monotonic()
+        self.sent_at = self.moved_at = self.pinged = self.acked_at = time.monotonic()
+        self.written = self.acked = 0  # bytes the kernel took; of those, the client acknowledged (``_acked_lately``)
         self.pong: bytes | None = None  # a pong waiting in ``out`` (one at a time: the latest ping's)
         self.ending = False  # the follower ended: what is queued goes out, then the socket closes
         self.fin_at: float | None = None  # when the FIN went (all sent): linger until then + LINGER
@@ -93,6 +98,7 @@ class SocketSink:
             return
         # Progress is bytes the kernel took, by whichever path; nothing was pending before this.
         self.sent_at = self.moved_at = time.monotonic()
+        self.written += n
         if n < len(data):
             self.out.append(memoryview(data)[n:])
             self.queued += len(data) - n
@@ -128,6 +134,7 @@ class SocketSink:
                 self.follower.end(GONE)
                 return
             self.sent_at = self.moved_at = time.monotonic()
+            self.written += n
             self.queued -= n
             while n:
                 head = self.out[0]
@@ -243,18 +250,24 @@ class SocketSink:
     def tick(self, now: float) -> None:
         settings = self.settings
         if self.ending:
-            # Its last frames drain at the client's pace (bounded by the stall), then it lingers.
-            if now - (self.moved_at if self.fin_at is None else self.fin_at) > \
-                    (settings.follower_stall_seconds if self.fin_at is None else LINGER_SECONDS):
-                if self.fin_at is None:
+            # Its last frames drain at the client's pace (bounded by the stall); after its FIN it lingers
+            # while the kernel still sends them (closing then would reset the connection and lose them).
+            if self.fin_at is None:
+                if now - self.moved_at > settings.follower_stall_seconds:
                     log.info("follower of %s cut at its end: %d bytes unsent, none taken for %.0f s",
                              self.follower.response_id, self.queued, now - self.moved_at)
+                    self.close()
+            elif now - self.fin_at > LINGER_SECONDS and (not _unacked(self.sock) or not self._acked_lately(now)):
                 self.close()
             return
         if self.out and now - self.moved_at > settings.follower_stall_seconds:
             log.info("follower of %s cut: %d bytes unsent, none taken for %.0f s", self.follower.response_id,
                      self.queued, now - self.moved_at)
             self.follower.end(CUT)
+        elif not self.out and not self._acked_lately(now):
+            log.info("follower of %s gone: nothing acknowledged for %.0f s", self.follower.response_id,
+                     now - self.acked_at)
+            self.follower.end(GONE)
         elif self.ws is not None and not self.out:
             # Behind a backlog, the bytes the client takes prove it is there (the stall check above);
             # a ping would wait behind them and its pong come late.
@@ -266,6 +279,19 @@ class SocketSink:
                 self.send(self.ws.ping())
         elif self.ws is None and not self.out and now - self.sent_at >= settings.follower_heartbeat_seconds:
             self.send(KEEP_ALIVE)
+
+    def _acked_lately(self, now: float) -> bool:
+        """Whether the client acknowledged a byte within ``follower_stall_seconds``, or has nothing left to
+        acknowledge (the kernel asked once that long has passed since the last acknowledgement seen). What
+        tells a vanished client from a slow one when nothing waits here: the kernel's own timeout
+        (TCP_USER_TIMEOUT) also cut slow readers, whose windows open a little at a time."""
+        if now - self.acked_at <= self.settings.follower_stall_seconds:
+            return True
+        acked = self.written - _unacked(self.sock)
+        if acked > self.acked or acked >= self.written:
+            self.acked, self.acked_at = acked, now
+            return True
+        return False
 
     def _want_write(self, on: bool) -> None:
         if on != self.writing and self.sock is not None:
@@ -283,6 +309,17 @@ class SocketSink:
         sock.close()
         self.loop.draining.discard(self)
         self.on_close()
+
+
+def _unacked(sock: socket.socket) -> int:
+    """Bytes the kernel holds for the client, sent or not, until it acknowledges them (SIOCOUTQ; a FIN
+    counts one)."""
+    left = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, left)  # TIOCOUTQ is SIOCOUTQ on a socket
+    except OSError:
+        return 0
+    return left[0]
 
 
 class Ended:

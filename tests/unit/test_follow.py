@@ -368,12 +368,13 @@ def test_a_storm_of_followers_on_one_task_reads_its_log_once(unit, alice):
     assert [_ids(peer) for peer, _ in storm] == [[1, 2, 3, 4, 5, 6]] * 8
 
 
-def test_a_followers_socket_outlasts_its_stall_cut_and_a_websockets_pong_waits_behind_little():
-    """Found behind a throttled link: the kernel reset a client that had stopped reading after 30 s
-    whatever ``follower_stall_seconds`` said (Linux counts zero-window probes against TCP_USER_TIMEOUT),
-    discarding what it held; and a WebSocket client's ping timed out behind the ~500 KB the kernel had
-    queued ahead of its pong. On a real TCP connection whose client reads nothing: the kernel's timeout
-    comes after the stall cut, and a WebSocket follower's socket takes ~64 KiB, an SSE one its buffer."""
+def test_a_followers_socket_has_no_kernel_timeout_and_a_websockets_pong_waits_behind_little():
+    """Found behind a throttled link: the kernel reset clients that were reading slowly (Linux counts a
+    zero window's probes against TCP_USER_TIMEOUT even while the window opens a little at a time: at
+    30 s, then, with the timeout raised, at 90 s), discarding what it held; and a WebSocket client's ping
+    timed out behind the ~500 KB the kernel had queued ahead of its pong. On a real TCP connection whose
+    client reads nothing: no kernel timeout is set (the sink tells a vanished client, below), and a
+    WebSocket follower's socket takes ~64 KiB, an SSE one its buffer."""
     import array
     import fcntl
     import socket
@@ -381,7 +382,7 @@ def test_a_followers_socket_outlasts_its_stall_cut_and_a_websockets_pong_waits_b
     from api.live.hub import WS_NOTSENT_BYTES, tune
     from common.settings import Settings
 
-    settings = Settings(follower_stall_seconds=300)
+    settings = Settings()
 
     def taken(ws: bool) -> tuple[int, int]:
         with socket.create_server(("127.0.0.1", 0)) as listening, socket.socket() as client:
@@ -398,10 +399,46 @@ def test_a_followers_socket_outlasts_its_stall_cut_and_a_websockets_pong_waits_b
                     pass
                 unsent = array.array("i", [0])
                 fcntl.ioctl(sock.fileno(), 0x894B, unsent)  # SIOCOUTQNSD: bytes not yet sent
-                timeout = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
-                return unsent[0], timeout
+                return unsent[0], sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
 
     ws_unsent, ws_timeout = taken(ws=True)
     sse_unsent, sse_timeout = taken(ws=False)
-    assert ws_timeout == sse_timeout > settings.follower_stall_seconds * 1000
+    assert ws_timeout == sse_timeout == 0  # the kernel's default: no timeout of its own
     assert ws_unsent <= WS_NOTSENT_BYTES + 16384 < settings.follower_buffer_bytes < sse_unsent
+
+
+def test_a_follower_nothing_waits_for_is_gone_once_its_client_acknowledges_nothing_for_the_stall():
+    """What TCP_USER_TIMEOUT was for, without cutting slow readers: bytes the kernel took and the client
+    never acknowledges (it vanished, or reads nothing) end the follower after ``follower_stall_seconds``;
+    a client that takes a little in each such period is kept."""
+    import socket
+
+    from api.live.hub import tune
+    from api.live.sinks import SocketSink
+    from common.settings import Settings
+    from tests.unit.test_live_sinks import Follower, Loop
+
+    settings = Settings(follower_stall_seconds=60)
+    for reads in (False, True):
+        with socket.create_server(("127.0.0.1", 0)) as listening, socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(listening.getsockname())
+            sock, _ = listening.accept()
+            tune(sock, settings, False)
+            sock.setblocking(False)
+            sink = SocketSink(Loop(), settings, sock, False, "/x", lambda: None, False)
+            sink.follower = Follower()
+            sink.send(b"x" * 100_000)
+            assert not sink.out  # all of it in the kernel: nothing waits here, the stall check cannot see
+            start = sink.acked_at
+            for period in range(1, 4):
+                if reads:  # what its buffer holds (8 KiB), once a period: the window opens, the kernel sends
+                    client.recv(65536)  # more, and the client's kernel acknowledges it
+                    time.sleep(0.3)
+                sink.tick(start + period * 61)
+                if sink.follower.ended:
+                    break
+            # Not reading: the first look (at 61 s) sees what the kernel acknowledged on arrival, the next
+            # one nothing more.
+            assert (sink.follower.ended, period) == (([], 3) if reads else (["gone"], 2)), reads
+            sink.close()
