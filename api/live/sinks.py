@@ -265,7 +265,7 @@ class SocketSink:
                      self.queued, now - self.moved_at)
             self.follower.end(CUT)
         elif not self.out and not self._acked_lately(now):
-            log.info("follower of %s gone: nothing acknowledged for %.0f s", self.follower.response_id,
+            log.info("follower of %s gone: no byte acknowledged for over %.0f s", self.follower.response_id,
                      now - self.acked_at)
             self.follower.end(GONE)
         elif self.ws is not None and not self.out:
