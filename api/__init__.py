@@ -46,8 +46,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     if settings.trusted_proxies:
         # The client's address as the nearest trusted proxy saw it (what per-address limits count): the
         # entries a client wrote itself, left of those, are not read.
-        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.trusted_proxies, x_proto=0, x_host=0, x_port=0,
-                                x_prefix=0)
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.trusted_proxies, x_proto=0)
     app.json.sort_keys = False
     sessions, reads, publisher = session_factory(engine), autocommit(engine), Publisher(settings.redis_url)
     app.extensions["lmsp"] = Services(

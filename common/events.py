@@ -343,38 +343,73 @@ def ws_frame(seq: int, name: str, data_json: str) -> str:
     return f'{{"id":{seq},"event":{json.dumps(name)},"data":{typed(seq, name, data_json)}}}'
 
 
+# -- one output item's events, in the order OpenAI's API sends them: what a worker's output builder
+# (worker/output.py) emits as text arrives and what ``of_response`` makes of a finished item --------
+_EMPTIED = {"message": ("content", []), "reasoning": ("summary", []), "function_call": ("arguments", "")}
+
+
+def begun(item: dict) -> dict:
+    """``item`` as its ``output_item.added`` shows it: in progress, nothing in it yet."""
+    member, empty = _EMPTIED[item["type"]]
+    return {**item, member: empty, "status": "in_progress"}
+
+
+def item_opened(rid: str, index: int, item: dict) -> list[EventData]:
+    """An item's first events: its ``output_item.added`` (``item`` as ``begun`` makes it) and, for a
+    message, its text part's opening (the OpenAI SDK's helper needs it before a delta)."""
+    out: list[EventData] = [OutputItemAdded(response_id=rid, output_index=index, item=item)]
+    if item["type"] == "message":
+        out.append(ContentPartAdded(response_id=rid, output_index=index, item_id=item["id"]))
+    return out
+
+
+def text_added(rid: str, index: int, item: dict, text: str, *, first: bool) -> list[EventData]:
+    """A message's or reasoning item's text delta (none for no text); a reasoning item's summary part
+    opens with its ``first`` text (a message's opened with the item)."""
+    at = {"response_id": rid, "output_index": index, "item_id": item["id"]}
+    out: list[EventData] = []
+    if item["type"] == "reasoning":
+        if first:
+            out.append(SummaryPartAdded(**at))
+        if text:
+            out.append(SummaryDelta(**at, delta=text))
+    elif text:
+        out.append(TextDelta(**at, delta=text))
+    return out
+
+
+def item_closed(rid: str, index: int, item: dict) -> list[EventData]:
+    """An item's last events, ``item`` as done (``status`` ``incomplete`` when the response stopped
+    first): a text's or summary's ``.done`` and its part's, or a function call's arguments (all of them:
+    a call is known only once the model has finished it, 6.5); then ``output_item.done``."""
+    at = {"response_id": rid, "output_index": index, "item_id": item["id"]}
+    out: list[EventData] = []
+    if item["type"] == "function_call":
+        out += [ArgumentsDelta(**at, delta=item["arguments"]),
+                ArgumentsDone(**at, arguments=item["arguments"], function_name=item["name"])]
+    elif item["type"] == "message":
+        part = item["content"][0] if item["content"] else text_part()
+        out += [TextDone(**at, text=part["text"]), ContentPartDone(**at, part=part)]
+    elif item["summary"]:  # a reasoning item with a summary part (none when it had no text)
+        part = item["summary"][0]
+        cut = {"status": "incomplete"} if item.get("status") == "incomplete" else {}
+        out += [SummaryDone(**at, text=part["text"]), SummaryPartDone(**at, part=part, **cut)]
+    out.append(OutputItemDone(response_id=rid, output_index=index, item=item))
+    return out
+
+
 def of_response(obj: dict) -> list[Event]:
     """The events a finished response object (6.2) implies, each item's text in one delta, numbered from
     #1: what a replayed Idempotency-Key of a stream sends again (9.2: the original outcome, as it was
-    asked for). The same kinds in the same order as the stream worker/output.py makes."""
+    asked for). Each item's events are those a worker's stream makes of it."""
     rid = obj["id"]
     out: list[EventData] = [ResponseCreated(response_id=rid, response=started(obj))]
     for index, item in enumerate(obj.get("output") or []):
-        at = {"response_id": rid, "output_index": index}
-        if item["type"] == "function_call":  # it arrives complete in its done event (6.5)
-            out += [OutputItemAdded(**at, item={**item, "arguments": "", "status": "in_progress"}),
-                    ArgumentsDelta(**at, item_id=item["id"], delta=item["arguments"]),
-                    ArgumentsDone(**at, item_id=item["id"], arguments=item["arguments"],
-                                  function_name=item["name"])]
-        elif item["type"] == "message":
-            text = "".join(part.get("text", "") for part in item.get("content") or [])
-            out += [OutputItemAdded(**at, item={**item, "content": [], "status": "in_progress"}),
-                    ContentPartAdded(**at, item_id=item["id"])]
-            if text:
-                out.append(TextDelta(**at, item_id=item["id"], delta=text))
-            out += [TextDone(**at, item_id=item["id"], text=text),
-                    ContentPartDone(**at, item_id=item["id"], part=text_part(text))]
-        else:
-            out.append(OutputItemAdded(**at, item={**item, "summary": [], "status": "in_progress"}))
-            if item.get("summary"):  # a summary part is opened by its first text (an empty one has none)
-                text = "".join(part.get("text", "") for part in item["summary"])
-                cut = {"status": "incomplete"} if item.get("status") == "incomplete" else {}
-                out.append(SummaryPartAdded(**at, item_id=item["id"]))
-                if text:
-                    out.append(SummaryDelta(**at, item_id=item["id"], delta=text))
-                out += [SummaryDone(**at, item_id=item["id"], text=text),
-                        SummaryPartDone(**at, item_id=item["id"], part=summary_part(text), **cut)]
-        out.append(OutputItemDone(**at, item=item))
+        out += item_opened(rid, index, begun(item))
+        if item["type"] != "function_call":
+            text = "".join(part.get("text", "") for part in item.get("content") or item.get("summary") or [])
+            out += text_added(rid, index, item, text, first=bool(text or item.get("summary")))
+        out += item_closed(rid, index, item)
     # The event's usage is 6.3's counts, as when it was first sent (the object's has OpenAI's details too).
     usage = obj.get("usage") and {name: obj["usage"][name] for name in wire.Usage.model_fields}
     out.append(final(rid, obj["status"], usage=usage, error=obj.get("error"),

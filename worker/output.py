@@ -1,12 +1,7 @@
 """Generated text -> the output items and events of spec 6.2/6.3.
 
-Each item's events are in the order OpenAI's API sends them (common/events.py): a message's
-``output_item.added``, ``content_part.added``, ``output_text.delta``..., ``output_text.done``,
-``content_part.done``, ``output_item.done``; a reasoning item's ``output_item.added``, then with its first
-text ``reasoning_summary_part.added`` and ``reasoning_summary_text.delta``..., ``reasoning_summary_text.done``,
-``reasoning_summary_part.done``, ``output_item.done``; a function call's ``output_item.added`` (no
-arguments yet), ``function_call_arguments.delta`` (all of them), ``function_call_arguments.done``,
-``output_item.done``.
+Each item's events are common/events.py's (``item_opened``, ``text_added``, ``item_closed``): the order
+OpenAI's API sends them in, the same as a replayed response's (``events.of_response``).
 
 The builder is fed text as the engine produces it and returns the events to
 emit. It can also be rebuilt from logged events, which is what makes
@@ -16,21 +11,7 @@ emit. It can also be rebuilt from logged events, which is what makes
 import json
 
 from common import events
-from common.events import (
-    ArgumentsDelta,
-    ArgumentsDone,
-    ContentPartAdded,
-    ContentPartDone,
-    EventData,
-    OutputItemAdded,
-    OutputItemDone,
-    SummaryDelta,
-    SummaryDone,
-    SummaryPartAdded,
-    SummaryPartDone,
-    TextDelta,
-    TextDone,
-)
+from common.events import EventData
 from common.ids import new_id
 from common.prompt import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 
@@ -107,11 +88,8 @@ class OutputBuilder:
                         "name": name, "arguments": arguments, "status": "completed"}
                 self.items.append(item)
                 index = len(self.items) - 1
-                at = {"response_id": self.rid, "output_index": index}
-                out += [OutputItemAdded(**at, item={**item, "arguments": "", "status": "in_progress"}),
-                        ArgumentsDelta(**at, item_id=item["id"], delta=arguments),
-                        ArgumentsDone(**at, item_id=item["id"], arguments=arguments, function_name=name),
-                        OutputItemDone(**at, item=item)]
+                out += events.item_opened(self.rid, index, events.begun(item))
+                out += events.item_closed(self.rid, index, item)
             self.buffer = None
         elif self.held:
             out += self._append("reasoning" if self.thinking else "message", self.held)
@@ -134,44 +112,28 @@ class OutputBuilder:
             item["status"] = "in_progress"  # as OpenAI's items: until its done event (``_close``)
             self.items.append(item)
             self.open = len(self.items) - 1
-            out.append(OutputItemAdded(response_id=self.rid, output_index=self.open, item=_copy(item)))
-            if kind == "message":  # its text part opens: the OpenAI SDK's helper needs it before a delta
-                out.append(ContentPartAdded(response_id=self.rid, output_index=self.open, item_id=item["id"]))
+            out += events.item_opened(self.rid, self.open, _copy(item))
         if text:
             out += self._add_text(self.items[self.open], text)
         return out
 
     def _add_text(self, item: dict, text: str) -> Emitted:
-        out: Emitted = []
         parts = item["content"] if item["type"] == "message" else item["summary"]
-        if not parts:
+        first = not parts
+        if first:
             parts.append(_empty_part(item))
-            if item["type"] == "reasoning":  # its summary part opens with its first text (a message's at once)
-                out.append(SummaryPartAdded(response_id=self.rid, output_index=self.open, item_id=item["id"]))
         parts[0]["text"] += text
-        delta = TextDelta if item["type"] == "message" else SummaryDelta
-        out.append(delta(response_id=self.rid, output_index=self.open, item_id=item["id"], delta=text))
-        return out
+        return events.text_added(self.rid, self.open, item, text, first=first)
 
     def _close(self, status: str = "completed") -> Emitted:
         if self.open is None:
             return []
         item = self.items[self.open]
-        at = {"response_id": self.rid, "output_index": self.open, "item_id": item["id"]}
-        out: Emitted = []
-        if item["type"] == "message":
-            if not item["content"]:
-                item["content"].append(events.text_part())
-            part = item["content"][0]
-            out += [TextDone(**at, text=part["text"]), ContentPartDone(**at, part=_copy(part))]
-        elif item["summary"]:  # a reasoning item with a summary part (none when it had no text)
-            part = item["summary"][0]
-            cut = {"status": "incomplete"} if status == "incomplete" else {}
-            out += [SummaryDone(**at, text=part["text"]), SummaryPartDone(**at, part=_copy(part), **cut)]
+        if item["type"] == "message" and not item["content"]:
+            item["content"].append(events.text_part())
         item["status"] = status
         index, self.open = self.open, None
-        out.append(OutputItemDone(response_id=self.rid, output_index=index, item=_copy(item)))
-        return out
+        return events.item_closed(self.rid, index, _copy(item))
 
     # -- resume ----------------------------------------------------------------------
     def replay(self, name: str, data: dict) -> None:

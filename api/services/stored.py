@@ -102,7 +102,7 @@ def _listed(response_id: str, place: int, item: dict) -> dict:
     if out["type"] == "message":  # an output text part and an item have members the OpenAI SDK requires
         out["content"] = [{"annotations": [], **part} if part.get("type") == "output_text" else part
                           for part in out["content"]]
-    if out["type"] != "reasoning" or "status" in out:
+    if out["type"] != "reasoning":
         out.setdefault("status", "completed")
     return out
 
