@@ -172,8 +172,9 @@ def _answer_problems(app: Flask) -> None:
             return _unexpected(exc)
         log.warning("database unavailable on %s %s: %s", request.method, request.path,
                     str(getattr(exc, "orig", None) or exc).strip().splitlines()[0])
-        return error_response(LMSPError("overloaded", "The database is unavailable right now; retry shortly",
-                                        retry_after=5))
+        detail = ("Every database connection of this api process is in use; retry shortly"
+                  if isinstance(exc, PoolTimeout) else "The database is unavailable right now; retry shortly")
+        return error_response(LMSPError("overloaded", detail, retry_after=5))
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):

@@ -275,6 +275,21 @@ def test_while_the_database_is_away_clients_get_503_and_retry_after(unit, alice,
     monkeypatch.setattr(api.auth, "authenticate", down)
     resp = alice.get("/lmsp/v1/models")
     assert problem(resp, 503, "overloaded") and resp.headers["Retry-After"] == "5"
+    assert "unavailable" in resp.get_json()["detail"]
+
+
+def test_a_process_out_of_database_connections_says_so_with_a_503(unit, alice, monkeypatch):
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    import api.auth
+
+    def busy(*_):
+        raise PoolTimeout("QueuePool limit of size 10 overflow 20 reached, connection timed out")
+
+    monkeypatch.setattr(api.auth, "authenticate", busy)
+    resp = alice.get("/lmsp/v1/models")
+    assert problem(resp, 503, "overloaded") and resp.headers["Retry-After"] == "5"
+    assert "connection of this api process is in use" in resp.get_json()["detail"]
 
 
 def test_a_worker_whose_checkpoint_is_missing_says_so_before_loading(env, tmp_path):
