@@ -33,6 +33,10 @@ def gunicorn_argv(settings: Settings) -> list[str]:
 # it declares (1 MiB: 64 s more); then the read side of its socket is shut, which ends the blocked read.
 HEAD_SECONDS = 15.0
 BODY_RATE = 16 * 1024
+# A body refused for its size is read and dropped for at most this long (api/body.py refuse_too_large), so
+# that a client sending it at once gets its 413 and keeps its connection; one sending it slowly, or not at
+# all, holds its thread no longer (no token needed to send one) and gets its 413 as the connection closes.
+DRAIN_SECONDS = 5.0
 
 
 class Worker(ThreadWorker):
@@ -90,7 +94,12 @@ class Worker(ThreadWorker):
         def done() -> bool:
             self.reading.pop(sock, None)
             return sock in self.cut
-        environ["wsgi.input"] = _WatchedBody(environ["wsgi.input"], declared, seconds, done)
+
+        def hurry(within: float) -> None:
+            deadline = time.monotonic() + within
+            if self.reading.get(sock, deadline) > deadline:  # (still being read, and later than that)
+                self.reading[sock] = deadline
+        environ["wsgi.input"] = _WatchedBody(environ["wsgi.input"], declared, seconds, done, hurry)
 
     def murder_pending(self) -> None:
         """(The main thread, at least once a second.) Cut the reads of requests past their time."""
@@ -135,8 +144,17 @@ class _WatchedBody:
     """``wsgi.input`` of a request whose body is being read under the watch: ``done()`` takes it off once
     the body is in (and says whether the watch had cut it first: a 408, not a truncated body)."""
 
-    def __init__(self, body, declared: int | None, seconds: float, done):
-        self._body, self._left, self._seconds, self._done = body, declared, seconds, done
+    def __init__(self, body, declared: int | None, seconds: float, done, hurry):
+        self._body, self._left, self._seconds, self._done, self._hurry = body, declared, seconds, done, hurry
+
+    def discard(self, size: int) -> None:
+        """Read and drop up to ``size`` bytes of the body within DRAIN_SECONDS; then the read is cut."""
+        self._hurry(DRAIN_SECONDS)
+        try:
+            while size > 0 and (chunk := self.read(min(size, 65536))):
+                size -= len(chunk)
+        except (OSError, RequestTimeout):
+            pass  # cut (or the client left): what was sent so far is dropped, and that is all we wanted
 
     def _read(self, how, size) -> bytes:
         try:

@@ -595,3 +595,41 @@ def test_requests_that_stop_half_way_do_not_hold_the_apis_threads(stack):
     finally:
         for sock in heads + [body]:
             sock.close()
+
+
+def test_a_body_refused_for_its_size_holds_no_thread_and_is_answered_413(api):
+    """A declared body over the limit (up to twice it) is read and dropped before its 413, so that a
+    keep-alive client can go on: then one that never sends it held a thread for the whole body watch
+    (143 s for 2 MiB) and got a 408, no token needed. Now the drop has DRAIN_SECONDS."""
+    from api.serve import DRAIN_SECONDS
+
+    host = urlsplit(api)
+    limit = 1024 * 1024
+    head = (f"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {2 * limit}\r\n\r\n").encode()
+    stalled = socket.create_connection((host.hostname, host.port), timeout=60)
+    try:
+        stalled.sendall(head)  # and nothing more
+        started = time.monotonic()
+        reply = b""
+        while chunk := stalled.recv(65536):
+            reply += chunk
+        took = time.monotonic() - started
+    finally:
+        stalled.close()
+    head_line, _, doc = reply.partition(b"\r\n\r\n")
+    assert head_line.startswith(b"HTTP/1.1 413 ") and PROBLEM.encode() in head_line, reply[:500]
+    assert json.loads(doc)["code"] == "payload_too_large"
+    assert DRAIN_SECONDS - 1 <= took < DRAIN_SECONDS + 5
+
+    # One that sends it at once gets its 413 at once and keeps its connection.
+    fast = socket.create_connection((host.hostname, host.port), timeout=60)
+    try:
+        fast.sendall(head + b"x" * (2 * limit) + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        fast.settimeout(DRAIN_SECONDS + 10)
+        reply = b""
+        while reply.count(b"HTTP/1.1 ") < 2 and (chunk := fast.recv(65536)):
+            reply += chunk
+    finally:
+        fast.close()
+    assert reply.startswith(b"HTTP/1.1 413 ") and b"HTTP/1.1 200 " in reply, reply[:1000]
