@@ -5,8 +5,9 @@ without blocking and the unit tests drive it without a server.
 
 A client has nothing to say on an event stream but pings, pongs and its close. Its pings are
 answered with one pong for the latest of those read together (RFC 6455 5.5.3 allows it); a client
-that sends more than ``PING_FLOOD`` pings in a ``PING_WINDOW`` floods it, and is closed with 1008 without the rest of its input being parsed (each frame costs the one fan-out
-thread Python time that every other follower waits for).
+that sends more than ``PING_FLOOD`` pings, or more than ``MAX_MESSAGE`` bytes of messages, in a
+``PING_WINDOW`` floods it, and is closed with 1008 without the rest of its input being parsed (each
+frame costs the one fan-out thread Python time that every other follower waits for).
 """
 
 import time
@@ -37,11 +38,12 @@ class Closing:
 class WebSocket:
     """One server-side connection's protocol state."""
 
-    __slots__ = ("conn", "pings", "window", "answered", "message")
+    __slots__ = ("conn", "pings", "said", "window", "answered", "message")
 
     def __init__(self):
         self.conn = Connection(ConnectionType.SERVER)
         self.pings = 0          # pings read in this window
+        self.said = 0           # bytes of messages read in this window
         self.window = 0.0       # when it began
         self.answered = True    # the client answered our last ping (a pong)
         self.message = 0        # bytes of the client message being read
@@ -54,7 +56,7 @@ class WebSocket:
             return None, None
         now = time.monotonic()
         if now - self.window >= PING_WINDOW:
-            self.window, self.pings = now, 0
+            self.window, self.pings, self.said = now, 0, 0
         latest = None
         for event in self.conn.events():
             if isinstance(event, Ping):
@@ -67,9 +69,14 @@ class WebSocket:
             elif isinstance(event, CloseConnection):
                 return None, self._answer(event)
             elif isinstance(event, Message):
-                self.message = 0 if event.message_finished else self.message + len(event.data)
+                self.message += len(event.data)
+                self.said += len(event.data)
                 if self.message > MAX_MESSAGE:
                     return None, self.close(1009, "a WebSocket message over 64 KiB")
+                if self.said > MAX_MESSAGE:
+                    return None, self.close(1008, "too many messages")
+                if event.message_finished:
+                    self.message = 0
         return (_CONTROL.pong(latest.payload) if latest is not None else None), None
 
     def _answer(self, event: CloseConnection) -> Closing:

@@ -10,24 +10,60 @@ document with its HTTP status; after it, errors are ``error`` events and the soc
 import logging
 import time
 
+import flask_sock
 from flask import Blueprint, current_app, g, request
 from flask_sock import Sock
-from simple_websocket import ConnectionClosed
+from simple_websocket import ConnectionClosed, Server
+from wsproto.events import CloseConnection, Ping
 
 from api.auth import check_scope, hold_stream, principal, still_authorized
 from api.extensions import services
 from api.operations import EVENT_KINDS, EVENTS, bare_answer, operation
 from api.ratelimit import StreamSlots
 from api.services.lanes import Connection, error_event
+from api.live.websocket import PING_FLOOD, PING_WINDOW
 from api.websocket import check_handshake
 from common.errors import LMSPError, problem
 
 log = logging.getLogger("lmsp.api")
 bp = Blueprint("realtime", __name__, url_prefix="/lmsp/v1/responses")
 sock = Sock()
+GOING_AWAY, POLICY_VIOLATION, INTERNAL_ERROR, SERVICE_RESTART = 1001, 1008, 1011, 1012  # RFC 6455 7.4.1, IANA
+
+
+class _PingBudget:
+    """simple_websocket's wsproto connection, whose events end in a close (1008) once the client has sent
+    more than PING_FLOOD pings in a PING_WINDOW, as a task follower's do (api/live/websocket.py):
+    simple_websocket answers every ping on the connection's thread, so a flood cost a core."""
+
+    def __init__(self, conn):
+        self._conn, self._pings, self._window = conn, 0, 0.0
+
+    def events(self):
+        for event in self._conn.events():
+            if isinstance(event, Ping):
+                now = time.monotonic()
+                if now - self._window >= PING_WINDOW:
+                    self._window, self._pings = now, 0
+                self._pings += 1
+                if self._pings > PING_FLOOD:
+                    yield CloseConnection(POLICY_VIOLATION, "too many pings")  # answered with our close
+                    return  # the rest of the input is not parsed
+            yield event
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+class _Server(Server):
+    def handshake(self):  # (before the connection's thread starts)
+        super().handshake()
+        self.ws = _PingBudget(self.ws)
+
+
+flask_sock.Server = _Server  # what flask-sock's routes make their connection with: it takes no class
 SCOPE = "responses:write"
 SLOTS = "lmsp.realtime"  # app.extensions: the connections per principal (a StreamSlots)
-GOING_AWAY, POLICY_VIOLATION, INTERNAL_ERROR, SERVICE_RESTART = 1001, 1008, 1011, 1012  # RFC 6455 7.4.1, IANA
 
 
 @bp.record_once

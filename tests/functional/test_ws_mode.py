@@ -195,3 +195,21 @@ def test_connection_limits(stack, worker, model_id):
     finally:
         conn.close()
         stack.stop(proc)
+
+
+def test_a_ping_flood_is_closed_with_1008(stack, api):
+    """simple_websocket answers every ping on the connection's thread: a client pinging without pause
+    cost a core and slowed every other request. Past PING_FLOOD pings in a second it is closed, as a task
+    follower is (api/live/websocket.py)."""
+    from websockets.sync.client import connect
+
+    from api.live.websocket import PING_FLOOD
+
+    url = api.replace("http", "ws", 1) + "/lmsp/v1/responses"
+    with connect(url, additional_headers={"Authorization": f"Bearer {stack.token('pinger')}"}) as conn:
+        conn.ping(b"first").wait(10)  # answered: a client that pings now and then is served
+        with pytest.raises(ConnectionClosed) as closed:
+            for i in range(PING_FLOOD + 5):  # in well under a second (and all read: no reset loses the close)
+                conn.ping(b"%d" % i)
+            recv(conn, 30)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008

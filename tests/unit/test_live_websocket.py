@@ -84,6 +84,22 @@ def test_a_message_longer_than_the_bound_closes_with_1009():
     assert closing is not None and closing.code == 1009
 
 
+def test_a_message_over_the_bound_in_one_frame_closes_with_1009():
+    client = Connection(ConnectionType.CLIENT)
+    _, closing = WebSocket().receive(client.send(TextMessage(data="x" * (MAX_MESSAGE + 1))))
+    assert closing is not None and closing.code == 1009
+
+
+def test_a_flood_of_small_messages_is_closed_with_1008():
+    client = Connection(ConnectionType.CLIENT)
+    ws = WebSocket()
+    _, closing = ws.receive(b"".join(client.send(TextMessage(data="x" * 1000)) for _ in range(10)))
+    assert closing is None  # a client may say a little
+    flood = b"".join(client.send(TextMessage(data="x" * 1000)) for _ in range(MAX_MESSAGE // 1000 + 10))
+    _, closing = ws.receive(flood)
+    assert closing is not None and closing.code == 1008
+
+
 def test_our_ping_waits_for_its_pong():
     ws = WebSocket()
     assert frames(ws.ping()) == [(0x9, b"")] and not ws.answered
