@@ -82,14 +82,17 @@ def warm_direct(svc: Services, principal: str, prepared: Prepared) -> wire.Respo
 
 
 def send_direct(svc: Services, queue: str, response_id: str, prompt_ids: list[int] | None = None,
-                logged: bool = False) -> None:
-    """The message of a committed, queued direct response. One a broker fault loses is sent again by
-    the response's DirectWatch, so the request goes on: a broker fault is never the client's 500."""
+                logged: bool = False) -> bool:
+    """The message of a committed, queued direct response; False when it was not sent. One a broker
+    fault loses is sent again by the response's DirectWatch, so the request goes on: a broker fault is
+    never the client's 500."""
     try:
         interactive_wire.send(svc.celery, queue, response_id, prompt_ids, logged)
+        return True
     except Exception as exc:  # noqa: BLE001 - kombu's pooled connection, broken by a Redis fault, raises anything
         log.warning("broker message of %s not sent (%s: %s); it is sent again while the response waits",
                     response_id, type(exc).__name__, exc)
+        return False
 
 
 def drop_direct(svc: Services, response_id: str) -> None:
@@ -106,13 +109,16 @@ class DirectWatch:
     forever: a response still queued has its message sent again every
     ``direct_requeue_after_seconds`` (the broker lost it, or a paused worker took it;
     ``claim_direct`` makes a copy harmless) and fails ``model_unavailable`` once no worker has served
-    its model for ``lease_seconds``; one whose worker's lease expired (and stayed so for another
-    lease) fails ``server_restarted`` (a worker's sweeper does the same, but there may be none left)."""
+    its model for ``lease_seconds``, or ``overloaded`` once its message could not be sent for as long
+    (the broker is away: a live worker cannot get it either); one whose worker's lease expired (and
+    stayed so for another lease) fails ``server_restarted`` (a worker's sweeper does the same, but
+    there may be none left)."""
 
     def __init__(self, svc: Services, response_id: str, spec, logged: bool = False):
         self.svc, self.response_id, self.spec, self.logged = svc, response_id, spec, logged
         self.sent = self.served = time.monotonic()
         self.orphaned: float | None = None  # since when its worker has looked expired
+        self.unsent: float | None = None    # since when its message could not be sent again
 
     def __call__(self) -> list[events.EventData] | None:
         with self.svc.sessions() as session:
@@ -151,11 +157,19 @@ class DirectWatch:
             error = problem("model_unavailable", f"No worker served {self.spec.id} for "
                             f"{settings.lease_seconds:g} s; send the request again later or submit a task")
             return lifecycle.fail_unclaimed_direct(session, row.id, error)
+        if self.unsent is not None and now - self.unsent >= settings.lease_seconds:
+            error = problem("overloaded", f"The broker could not be reached for {settings.lease_seconds:g} s "
+                            "to hand this request to a worker; send it again later, or submit a task (a task "
+                            "waits for the broker)")
+            return lifecycle.fail_unclaimed_direct(session, row.id, error)
         if now - self.sent >= settings.direct_requeue_after_seconds:
             self.sent = now
             lifecycle.watched_direct(session, row.id)  # committed by the caller below
             session.commit()
-            send_direct(self.svc, self.spec.interactive_queue, row.id, logged=self.logged)
+            if send_direct(self.svc, self.spec.interactive_queue, row.id, logged=self.logged):
+                self.unsent = None
+            elif self.unsent is None:
+                self.unsent = now
         return False
 
 

@@ -503,3 +503,46 @@ def test_an_inflight_key_lives_as_long_as_its_request(svc):
     assert claims.begin(key) is None  # given back at once
     claims.finish(key, 200, "{}")
     assert claims.begin(key).status_code == 200  # a finished key replays
+
+
+def test_a_direct_request_whose_message_cannot_be_sent_fails_503_while_its_worker_lives(tmp_path, monkeypatch):
+    """The broker away from this api (a worker still heartbeating to Postgres): the message was sent
+    again every few seconds for ever and a synchronous request never answered. Once it could not be sent
+    for a lease, the response fails ``overloaded`` (503, Retry-After), and nothing is left queued."""
+    from api.services import work
+    from common import liveness
+    from tests.unit.conftest import MODEL as UNIT_MODEL
+    from tests.unit.conftest import make_unit
+
+    def unreachable(*_args, **_kw):
+        raise ConnectionRefusedError("Connection refused")
+
+    monkeypatch.setattr(work.interactive_wire, "send", unreachable)
+    unit = make_unit(tmp_path, lease_seconds=2, direct_requeue_after_seconds=0.2)
+    alice = unit.as_("alice")
+    stop, beaten = threading.Event(), threading.Event()
+
+    def beat():  # a live worker serving the model, that the broker's messages never reach
+        started = time.time()
+        while not stop.is_set():
+            with unit.sessions() as session:
+                liveness.heartbeat(session, "w-alive", [UNIT_MODEL], started, running=0, ready=True,
+                                   loaded=[UNIT_MODEL])
+                session.commit()
+            beaten.set()
+            stop.wait(0.3)
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        assert beaten.wait(10)
+        started = time.monotonic()
+        resp = alice.post("/lmsp/v1/responses", {"model": UNIT_MODEL, "input": user("hi")})
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        beating.join(5)
+    doc = problem(resp, 503, "overloaded")
+    assert "broker" in doc["detail"] and resp.headers["Retry-After"] == "5"
+    assert 2 <= took < 20
+    with unit.sessions() as session:
+        assert session.execute(select(Response.status)).scalars().all() == ["failed"]
