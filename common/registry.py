@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.errors import LMSPError
 from common.settings import ConfigError, get_settings
@@ -33,11 +33,12 @@ class Capabilities(BaseModel):
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt key must not leave its default in force unseen
 
-    id: str
+    # Bounded here, so that a bad value fails the file when it loads (one line) and never a request later.
+    id: str = Field(min_length=1, pattern=r"^\S+$")  # a request names it; no space
     checkpoint: str            # a local folder, a .gguf file, or a Hugging Face repo id ("org/name")
     revision: str | None = None  # of a repo id: a branch, tag or commit (pin a commit: every host gets the same)
-    context_window: int
-    max_output_tokens: int
+    context_window: int = Field(ge=1)
+    max_output_tokens: int = Field(ge=1)
     # vLLM engine arguments (dtype, max_model_len, max_num_seqs, ...), or the simulated engine: `sim`, or
     # {kind: sim, ttft_ms, tokens_per_s, max_num_seqs, ...} (worker/sim.py; for load tests, no GPU, no vLLM).
     engine: dict = Field(default_factory=dict)
@@ -48,8 +49,8 @@ class ModelSpec(BaseModel):
     capabilities: Capabilities = Field(default_factory=Capabilities)
     tool_call_parser: str | None = None           # "hermes": <tool_call>{json}</tool_call>
     reasoning_parser: str | None = None           # "think": <think>...</think> (Qwen3, DeepSeek-R1)
-    default_temperature: float = 0.7
-    queue_depth: int = 10000                      # beyond this many queued tasks: 503 overloaded
+    default_temperature: float = Field(0.7, ge=0, le=2)  # the range a request may ask for
+    queue_depth: int = Field(10000, ge=1)         # beyond this many queued tasks: 503 overloaded
 
     @field_validator("engine", mode="before")
     @classmethod
@@ -76,6 +77,23 @@ class ModelSpec(BaseModel):
 
     @field_validator("engine")
     @classmethod
+    def _sim_values(cls, value: dict) -> dict:
+        if value.get("kind") != "sim":
+            return value
+        for key, zero_ok in (("ttft_ms", True), ("tokens_per_s", False), ("tick_ms", False)):
+            number = value.get(key)
+            if number is not None and (type(number) not in (int, float) or not math.isfinite(number)
+                                       or number < 0 or (number == 0 and not zero_ok)):
+                raise ValueError(f"sim's {key} must be a number {'at least' if zero_ok else 'above'} 0, "
+                                 f"not {number!r}")
+        stop = value.get("stop_after")
+        if stop is not None and not (isinstance(stop, list) and len(stop) == 2 and all(
+                type(n) is int and n >= 1 for n in stop) and stop[0] <= stop[1]):
+            raise ValueError(f"sim's stop_after must be [lo, hi], whole numbers 1 <= lo <= hi, not {stop!r}")
+        return value
+
+    @field_validator("engine")
+    @classmethod
     def _whole_counts(cls, value: dict) -> dict:
         # Sized from here (the KV cache, the batch): a bad value fails the file, not a later int().
         for key in ("max_model_len", "max_num_seqs"):
@@ -83,6 +101,13 @@ class ModelSpec(BaseModel):
             if count is not None and (type(count) is not int or count < 1):
                 raise ValueError(f"{key} must be a whole number of at least 1, not {count!r}")
         return value
+
+    @model_validator(mode="after")
+    def _output_fits(self) -> "ModelSpec":
+        if self.max_output_tokens > self.context_window:
+            raise ValueError(f"max_output_tokens ({self.max_output_tokens}) is above context_window "
+                             f"({self.context_window}): no request could get that many")
+        return self
 
     @property
     def engine_kind(self) -> str:

@@ -27,7 +27,8 @@ Count = Annotated[int, Field(ge=1)]
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LMSP_", extra="ignore")
+    # nan and inf are no period or limit: nan passed every comparison (a drain of "nan" seconds drained nothing).
+    model_config = SettingsConfigDict(env_prefix="LMSP_", extra="ignore", allow_inf_nan=False)
 
     home: Path = Field(default_factory=_home)
     database_url: str = ""            # default: sqlite file under home
@@ -47,9 +48,9 @@ class Settings(BaseSettings):
     db_max_overflow: int = Field(20, ge=0)
     db_pool_recycle_seconds: Interval = 300.0  # a pooled connection older than this is replaced at checkout
     # Retention (spec 11.2).
-    event_retention_seconds: int = 24 * 3600
-    record_retention_seconds: int = 30 * 24 * 3600
-    idempotency_retention_seconds: int = 24 * 3600
+    event_retention_seconds: Count = 24 * 3600
+    record_retention_seconds: Count = 30 * 24 * 3600
+    idempotency_retention_seconds: Count = 24 * 3600
     # The event log's partitions on Postgres: each holds the responses made in this period, and they are
     # made this far ahead (common/partitions.py). A partition is dropped whole, so events are kept for
     # up to one period more than the event retention.
@@ -59,32 +60,32 @@ class Settings(BaseSettings):
     lease_seconds: Count = 30
     heartbeat_seconds: Interval = 5.0
     sweep_seconds: Interval = 10.0
-    requeue_after_seconds: int = 60   # a queued task older than this with no claim is dispatched again
+    requeue_after_seconds: Count = 60   # a queued task older than this with no claim is dispatched again
     direct_requeue_after_seconds: Interval = 5.0  # the same for a direct response: a person is waiting
     max_attempts: Count = 3           # engine deaths while a task is prefilled before it fails (a poison request)
-    drain_seconds: float = 120.0      # SIGTERM: running generations get this long before they are handed on
+    drain_seconds: float = Field(120.0, ge=0)     # SIGTERM: running generations get this long before they are handed on
     # Event pipeline.
-    delta_window_ms: float = 20.0     # coalesce token deltas over this window ...
-    task_delta_window_ms: float = 200.0  # ... this one for tasks and non-streamed responses (read by polls)
+    delta_window_ms: float = Field(20.0, ge=0)    # coalesce token deltas over this window ...
+    task_delta_window_ms: float = Field(200.0, ge=0)  # ... this one for tasks and non-streamed responses (read by polls)
     delta_max_tokens: Count = 16      # ... or this many tokens, whichever first
-    task_quiet_window_ms: float = 1000.0  # a task's window while nobody follows it live (its cap grows as much)
+    task_quiet_window_ms: float = Field(1000.0, ge=0)  # a task's window while nobody follows it live (its cap grows as much)
     sse_heartbeat_seconds: Interval = 0.5
     poll_interval_seconds: Interval = 0.05  # how often followers re-read the log without Redis
-    max_task_wait_seconds: int = 30      # cap of GET /tasks/{id}?wait=N (long poll)
+    max_task_wait_seconds: int = Field(30, ge=0)     # cap of GET /tasks/{id}?wait=N (long poll)
     # Limits (spec 10).
     max_body_bytes: Count = 1024 * 1024
     max_json_depth: Count = 32
     max_input_items: Count = 1024
-    max_tools: int = 128
+    max_tools: int = Field(128, ge=0)
     max_string_chars: Count = 512 * 1024
-    rate_limit_per_second: float = 50.0
-    rate_limit_burst: int = 100
-    max_queued_tasks_per_principal: int = 1000
-    max_queue_depth: int = 10000
+    rate_limit_per_second: float = Field(50.0, ge=0)  # 0: no limit
+    rate_limit_burst: Count = 100
+    max_queued_tasks_per_principal: Count = 1000
+    max_queue_depth: Count = 10000
     # Requests that hold an api thread while they wait (direct responses, long polls, WebSocket-mode
     # connections, and event streams where the socket cannot be handed over: api/live/).
-    stream_reserved_threads: int = 16   # per process, kept for health probes and short requests
-    max_streams_per_principal: int = 32  # per process
+    stream_reserved_threads: int = Field(16, ge=0)  # per process, kept for health probes and short requests
+    max_streams_per_principal: Count = 32  # per process
     # Followers of task events handed to the process's fan-out thread: memory, not a thread, each.
     max_followers_per_process: int = Field(10000, ge=1)  # also kept under the process's open-file limit
     max_followers_per_principal: int = Field(1000, ge=1)  # per process
@@ -107,7 +108,7 @@ class Settings(BaseSettings):
     ws_max_lanes: Count = 4            # lanes (stream_id) of one connection with work queued or running
     ws_max_queued: Count = 32          # response.create events of one connection waiting for their lane
     ws_memory_responses: Count = 16    # finished responses a connection keeps for previous_response_id
-    auth_failures_per_minute: int = 30   # bad tokens per client address before 429 (no database lookup)
+    auth_failures_per_minute: int = Field(30, ge=0)  # bad tokens per client address before 429 (no database lookup)
     # Reverse proxies in front of the api that append the client's address to X-Forwarded-For: behind
     # one, every client has its address, and one client's bad tokens would lock out everyone's new ones.
     trusted_proxies: int = Field(0, ge=0)  # 0: the peer's address is the client's (the header is ignored)
@@ -123,7 +124,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
     api_workers: int = Field(2, ge=1)
-    api_threads: int = Field(256, ge=1)  # one per direct stream or WebSocket-mode connection (gthread)
+    api_threads: int = Field(256, ge=1, le=10000) # one per direct stream or WebSocket-mode connection (gthread)
     # An idle kept-alive connection is closed after this. gunicorn's own 2 s is shorter than clients' and
     # load balancers' idle expiry (httpx 5 s, nginx and cloud balancers 60 s): a request sent as the server
     # closes its connection is reset unanswered (seen in a chaos run: a POST /responses reset with no fault).

@@ -71,6 +71,31 @@ def test_out_of_range_settings_are_named_together(env, capsys):
                "LMSP_MAX_BODY_BYTES='-1'")
 
 
+@pytest.mark.parametrize("name, value", [
+    # Each of these was taken: a drain of nan seconds failed every task at SIGTERM, a burst of 0 refused
+    # every request, and a negative retention would have dropped what it is to keep.
+    ("drain_seconds", "nan"), ("drain_seconds", "-1"), ("rate_limit_burst", "0"),
+    ("max_queued_tasks_per_principal", "0"), ("rate_limit_per_second", "-1"), ("max_task_wait_seconds", "-1"),
+    ("event_retention_seconds", "-1"), ("record_retention_seconds", "0"), ("api_threads", "9" * 20),
+    ("worker_keep_alive_seconds", "inf"),
+])
+def test_a_setting_out_of_its_range_is_one_line(env, capsys, name, value):
+    env(**{name: value})
+    fails_with(capsys, ("tokens", "list"), f"LMSP_{name.upper()}={value!r}", "is not valid")
+
+
+def test_a_heartbeat_slower_than_half_the_lease_stops_the_worker(env, tmp_path):
+    import yaml
+
+    from tests.harness import model_entry
+    from worker import main as worker_main
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [model_entry("m:1", engine="sim")]}))
+    env(heartbeat_seconds="20", lease_seconds="30")
+    with pytest.raises(SystemExit) as exit_:
+        worker_main.run("m:1")
+    assert "LMSP_HEARTBEAT_SECONDS=20 is more than half of LMSP_LEASE_SECONDS=30" in str(exit_.value.code)
+
+
 @pytest.mark.parametrize("url, words", [
     ("postgresql://lmsp:hunter2@127.0.0.1:1/lmsp", ("cannot reach the database", "LMSP_DATABASE_URL")),
     ("not a url", ("is not a database URL", "postgresql://")),
@@ -100,6 +125,16 @@ def test_an_unmigrated_database_says_to_migrate(env, capsys, tmp_path):
      ("model 1 (x)", "max_model_len must be a whole number")),
     ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 8},\n"
      "         {id: x, checkpoint: /y, context_window: 8, max_output_tokens: 8}]", ("models 1 and 2", "'x'")),
+    # Each of these loaded, and failed requests later: a 500 on GET /models, odd refusals, every task failed.
+    ("models: [{id: x, checkpoint: /x, context_window: -5, max_output_tokens: 8}]", ("model 1 (x)", "context_window")),
+    ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 0}]", ("model 1 (x)", "max_output_tokens")),
+    ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 9}]",
+     ("model 1 (x)", "above context_window")),
+    ("models: [{id: '', checkpoint: /x, context_window: 8, max_output_tokens: 8}]", ("model 1", "id")),
+    ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 8, engine: {kind: sim, "
+     "stop_after: foo}}]", ("model 1 (x)", "stop_after must be [lo, hi]")),
+    ("models: [{id: x, checkpoint: /x, context_window: 8, max_output_tokens: 8, engine: {kind: sim, "
+     "tokens_per_s: 0}}]", ("model 1 (x)", "tokens_per_s must be a number above 0")),
 ])
 @pytest.mark.parametrize("args", [("models", "list", "--registry"), ("serve",), ("dev",)])
 def test_a_broken_models_file_is_one_line(env, capsys, tmp_path, text, words, args):
