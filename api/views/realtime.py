@@ -18,10 +18,10 @@ from wsproto.events import CloseConnection, Ping
 
 from api.auth import check_scope, hold_stream, principal, still_authorized
 from api.extensions import services
+from api.live.websocket import PING_FLOOD, PING_WINDOW
 from api.operations import EVENT_KINDS, EVENTS, bare_answer, operation
 from api.ratelimit import StreamSlots
 from api.services.lanes import Connection, error_event
-from api.live.websocket import PING_FLOOD, PING_WINDOW
 from api.websocket import check_handshake
 from common.errors import LMSPError, problem
 
