@@ -48,6 +48,9 @@ def create_app(settings: Settings | None = None) -> Flask:
         # entries a client wrote itself, left of those, are not read.
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.trusted_proxies, x_proto=0)
     app.json.sort_keys = False
+    # Werkzeug answers a path with "//" with a 308 to the merged one: an HTML body and a Location built
+    # from the client's Host. Such a path is one we do not serve (404, a problem document).
+    app.url_map.merge_slashes = False
     sessions, reads, publisher = session_factory(engine), autocommit(engine), Publisher(settings.redis_url)
     app.extensions["lmsp"] = Services(
         settings=settings, engine=engine, sessions=sessions, reads=reads,

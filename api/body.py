@@ -100,6 +100,11 @@ def json_body():
     if coding not in ("", "identity"):  # RFC 7694: else a gzip body reads as "not valid UTF-8"
         raise LMSPError("unsupported_media_type", f"Content-Encoding {coding} is not accepted; send the body "
                         "uncompressed")
+    # gunicorn undoes "chunked" only: a transfer coding before it (gzip, chunked) would be read as JSON.
+    transfer = [c.strip().lower() for c in request.headers.get("Transfer-Encoding", "").split(",") if c.strip()]
+    if [c for c in transfer if c != "chunked"]:
+        raise LMSPError("unsupported_media_type", f"Transfer-Encoding {', '.join(transfer)} is not accepted; "
+                        "send the body uncompressed, chunked or with a Content-Length")
     try:
         raw = request.get_data(cache=True)
         # A declared length over the limit was refused before (api/problems.py); a chunked body werkzeug

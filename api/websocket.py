@@ -11,6 +11,8 @@ from common.errors import LMSPError
 
 def check_handshake() -> str:
     """The request's Sec-WebSocket-Key, checked with its version; a 400 problem if either is wrong."""
+    if request.environ.get("SERVER_PROTOCOL") == "HTTP/1.0":
+        raise LMSPError("invalid_request", "A WebSocket handshake is an HTTP/1.1 request (RFC 6455 4.1)")
     key = request.headers.get("Sec-WebSocket-Key", "")
     try:
         nonce = base64.b64decode(key.encode("ascii"), validate=True)

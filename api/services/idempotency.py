@@ -17,7 +17,9 @@ from common.errors import LMSPError
 from common.tables import IdempotencyRecord
 
 log = logging.getLogger("lmsp.idempotency")
-_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+# Visible ASCII but the comma: a request with two Idempotency-Key lines reaches us as one value, the two
+# joined by a comma (RFC 9110 5.3), which must not pass for a key of its own.
+_KEY = re.compile(r"^[\x21-\x2b\x2d-\x7e]{1,255}$")
 
 
 @dataclass
@@ -37,8 +39,8 @@ def key_from(header: str | None, principal: str, method: str, path: str, body) -
     if header is None:
         return None
     if not _KEY.match(header):
-        raise LMSPError("invalid_request", "Idempotency-Key must be 1-255 visible ASCII characters",
-                        param="Idempotency-Key")
+        raise LMSPError("invalid_request", "Idempotency-Key must be one key of 1-255 visible ASCII characters "
+                        "other than a comma", param="Idempotency-Key")
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return Key(principal, method, path, header, hashlib.sha256(canonical.encode()).hexdigest())
 

@@ -39,7 +39,8 @@ def _stream_query() -> tuple[bool, int]:
     raw = params.arg("stream")
     if raw not in (None, "", "true", "false"):
         raise LMSPError("invalid_request", "stream must be true or false", param="stream")
-    return raw == "true", params.resume_point("starting_after")
+    stream = raw == "true"
+    return stream, params.resume_point("starting_after") if stream else 0  # (a JSON answer resumes nothing)
 
 
 @bp.get("/<response_id>")

@@ -160,6 +160,13 @@ def test_a_bad_websocket_handshake_is_400_naming_the_header(alice, drop, change,
         assert problem(resp, 400, "invalid_request")["param"] == param
 
 
+def test_a_websocket_handshake_in_http_1_0_is_400(alice):
+    task = alice.task("succeeded")
+    resp = alice.get(f"/lmsp/v1/tasks/{task.id}/ws", headers=WS_HANDSHAKE,
+                     environ_overrides={"SERVER_PROTOCOL": "HTTP/1.0"})
+    assert "HTTP/1.1" in problem(resp, 400, "invalid_request")["detail"]
+
+
 def test_plain_get_on_the_websocket_route_says_what_it_takes(alice):
     task = alice.task("succeeded")
     assert "WebSocket upgrade" in problem(_ws(alice, task.id, {}), 400, "invalid_request")["detail"]
@@ -258,6 +265,23 @@ def test_a_compressed_body_is_415_not_a_puzzle(unit, alice):
     resp = alice.post("/lmsp/v1/tasks", data=gzip.compress(json.dumps(task_body()).encode()),
                       content_type="application/json", headers={"Content-Encoding": "gzip"})
     assert "Content-Encoding gzip" in problem(resp, 415, "unsupported_media_type")["detail"]
+
+
+def test_a_body_in_a_transfer_coding_besides_chunked_is_415(unit, alice):
+    import gzip
+    before = _rows(unit)
+    resp = alice.post("/lmsp/v1/tasks", content_type="application/json",
+                      headers={"Transfer-Encoding": "gzip, chunked"},
+                      environ_overrides={"wsgi.input": io.BytesIO(gzip.compress(json.dumps(task_body()).encode())),
+                                         "wsgi.input_terminated": True})
+    assert "Transfer-Encoding gzip, chunked" in problem(resp, 415, "unsupported_media_type")["detail"]
+    assert _rows(unit) == before
+
+
+def test_a_path_with_a_double_slash_is_404_not_a_redirect(alice):
+    """Werkzeug redirected it (308, an HTML body, a Location built from the client's Host)."""
+    assert problem(alice.get("/lmsp/v1//models"), 404, "not_found")
+    assert problem(alice.post("/lmsp/v1//tasks", task_body()), 404, "not_found")
 
 
 @pytest.mark.parametrize("broken", [InvalidChunkSize(b"zz"), ChunkMissingTerminator(b"xx"),

@@ -179,6 +179,10 @@ def test_body_and_limits(unit, alice):
     problem(alice.post("/lmsp/v1/tasks", long_text), 400, "invalid_request")
     assert problem(alice.post("/lmsp/v1/tasks", task_body(), headers={"Idempotency-Key": "a b"}), 400,
                    "invalid_request")["param"] == "Idempotency-Key"
+    # Two keys (two header lines arrive joined by a comma) are not one key "a1,a2".
+    two = alice.unit.client.post("/lmsp/v1/tasks", json=task_body(), headers=[
+        ("Authorization", f"Bearer {alice.secret}"), ("Idempotency-Key", "a1"), ("Idempotency-Key", "a2")])
+    assert problem(two, 400, "invalid_request")["param"] == "Idempotency-Key"
     assert _written(unit) == before
 
 
