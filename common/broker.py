@@ -90,3 +90,14 @@ def queue_length(celery: Celery, queue: str) -> int:
             return conn.default_channel.queue_declare(queue, passive=True).message_count
         except ChannelError:
             return 0
+
+
+def check_reachable(celery: Celery) -> None:
+    """Raise unless the broker answers now: one try, no wait between tries (kombu's default retries
+    took the readiness probe 6 s to answer while Redis refused connections, past a probe's timeout)."""
+    with celery.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=2)
+        try:  # a passive declare asks the transport itself (on Redis, a round trip)
+            conn.default_channel.queue_declare("lmsp.readyz", passive=True)
+        except ChannelError:
+            pass  # "no such queue" is an answer

@@ -91,10 +91,14 @@ class WorkerState(NamedTuple):
     models_loaded: list[str]  # those loaded at its last heartbeat
 
 
-def worker_states(session: Session, lease_seconds: float, lost_for: float | None = None) -> list[WorkerState]:
-    """Every worker that did not stop, by id: one query of the workers table, no scan of anything else.
-    ``lost_for``: leave out workers whose last heartbeat is older than this (long gone)."""
-    recent = () if lost_for is None else (Worker.heartbeat_at > db_now() - lost_for,)
+LOST_SHOWN_SECONDS = 3600  # a worker that stopped heartbeating is shown as lost for an hour, then left out
+
+
+def worker_states(session: Session, lease_seconds: float) -> list[WorkerState]:
+    """Every worker that did not stop, by id, but those lost for over LOST_SHOWN_SECONDS (long gone: a
+    worker ended without its last heartbeat, or a node lost, would be a series of ``lmsp_worker_up 0``
+    for ever): one query of the workers table, no scan of anything else."""
+    recent = (Worker.heartbeat_at > db_now() - LOST_SHOWN_SECONDS,)
     out = []
     for wid, model, up, running, state, ready, rate, lost, models, loaded in session.execute(select(
             Worker.id, Worker.model, alive(lease_seconds), Worker.running, Worker.state, Worker.ready,

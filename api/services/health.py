@@ -4,7 +4,7 @@ from sqlalchemy import text
 
 from api.extensions import Services
 from common import wire
-from common.broker import queue_length
+from common.broker import check_reachable
 from common.errors import LMSPError
 
 
@@ -18,7 +18,7 @@ def readiness(svc: Services) -> wire.Readiness:
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         checks["database"] = f"error: {type(exc).__name__}"
     try:
-        queue_length(svc.celery, "lmsp.readyz")
+        check_reachable(svc.celery)
         checks["broker"] = "ok"
     except Exception as exc:  # noqa: BLE001
         checks["broker"] = f"error: {type(exc).__name__}"

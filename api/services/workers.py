@@ -5,13 +5,11 @@ from api.extensions import Services
 from common import wire
 from common.liveness import WorkerState, worker_states
 
-LOST_SHOWN_SECONDS = 3600  # a worker that stopped heartbeating is shown as lost for an hour, then left out
-
 
 def worker_list(svc: Services, each: bool) -> wire.WorkerList:
     """Per model and in total; ``each``: every worker too (scope admin: ids name hosts)."""
     with svc.sessions() as session:
-        states = worker_states(session, svc.settings.lease_seconds, lost_for=LOST_SHOWN_SECONDS)
+        states = worker_states(session, svc.settings.lease_seconds)
     return _figures(states, each)
 
 

@@ -49,7 +49,9 @@ def test_api_metrics_count_tasks_queues_and_workers_from_the_database(app):
             factories.task(session, status, model="m")
         now = time.time()
         session.add_all([Worker(id="h:gpu0", model="m", heartbeat_at=now, started_at=now, running=3),
-                         Worker(id="h:gpu1", model="m", heartbeat_at=now - 3600, started_at=now - 7200, running=0),
+                         Worker(id="h:gpu1", model="m", heartbeat_at=now - 600, started_at=now - 7200, running=0),
+                         # lost for over an hour, without a last heartbeat (killed, its node gone): no series
+                         Worker(id="h:gpu3", model="m", heartbeat_at=now - 7200, started_at=now - 9000, running=0),
                          # beating, but its engine is reloading: it takes no work, as GET /models says too
                          Worker(id="h:gpu2", model="m", heartbeat_at=now, started_at=now, running=0, ready=False)])
         _, admin = create_token(session, "ops", ("admin",))
@@ -67,6 +69,7 @@ def test_api_metrics_count_tasks_queues_and_workers_from_the_database(app):
     assert got[("lmsp_worker_up", (("model", "m"), ("worker", "h:gpu0")))] == 1
     assert got[("lmsp_worker_up", (("model", "m"), ("worker", "h:gpu1")))] == 0
     assert got[("lmsp_worker_up", (("model", "m"), ("worker", "h:gpu2")))] == 0
+    assert ("lmsp_worker_up", (("model", "m"), ("worker", "h:gpu3"))) not in got
     assert got[("lmsp_worker_running_requests", (("model", "m"), ("worker", "h:gpu0")))] == 3
 
 

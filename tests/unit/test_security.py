@@ -70,6 +70,24 @@ def test_health_probes_need_no_token(unit):
     assert ready.status_code == 200 and ready.get_json()["checks"] == {"database": "ok", "broker": "ok"}
 
 
+def test_readiness_says_at_once_that_the_broker_refuses_connections(tmp_path):
+    """kombu's retries took /readyz 6 s to answer while Redis refused connections: past the probe's timeout
+    (3 s in k8s/), which then recorded a timeout instead of the reason."""
+    import socket
+    import time
+
+    from tests.unit.conftest import make_unit
+
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        port = spare.getsockname()[1]  # nothing listens there once it is closed
+    unit = make_unit(tmp_path, broker_url=f"redis://127.0.0.1:{port}/0")
+    started = time.monotonic()
+    ready = unit.client.get("/readyz")
+    assert ready.status_code == 503 and ready.get_json()["checks"]["broker"].startswith("error")
+    assert ready.get_json()["checks"]["database"] == "ok" and time.monotonic() - started < 2.5
+
+
 def test_tokens_are_stored_only_as_hashes(unit):
     secret = unit.token("hashed", "models:read")
     with unit.sessions() as session:
