@@ -38,6 +38,8 @@ def parse_scopes(text: str | None) -> tuple[str, ...]:
     if text is None or not text.strip():
         return DEFAULT_SCOPES
     scopes = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    if not scopes:  # (",,,": a token that can do nothing was surely not meant)
+        raise ValueError(f"no scope in {text!r}; give one or more of {', '.join(SCOPES)}, comma-separated")
     for scope in scopes:
         if scope in RESERVED_SCOPES:
             raise ValueError(f"scope {scope} is reserved and never granted in LMSP 1.0")

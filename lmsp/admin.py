@@ -71,6 +71,11 @@ def tokens_revoke(token_id: str) -> None:
     if not found:
         fail(f"no token {token_id}; `lmsp tokens list` shows them")
     settings = get_settings()
+    if not settings.redis_url:  # the api's caches hear of a revoke over Redis: this command has none to tell
+        say(f"revoked {token_id}; LMSP_REDIS_URL is not set here, so an api that uses Redis refuses it within "
+            f"LMSP_TOKEN_CACHE_SECONDS ({settings.token_cache_seconds:g} s), not at once: run this with the "
+            "api's LMSP_REDIS_URL for that")
+        return
     if not announce_revoked(settings.redis_url, token_id):  # committed first: the api may look it up now
         say(f"revoked {token_id}; Redis is unreachable, so the api processes refuse it within "
             f"LMSP_TOKEN_CACHE_SECONDS ({settings.token_cache_seconds:g} s), not at once")

@@ -337,3 +337,16 @@ def test_a_worker_whose_checkpoint_is_missing_says_so_before_loading(env, tmp_pa
     with pytest.raises(SystemExit) as exit_:
         worker_main.run("m:1")
     assert str(exit_.value.code).startswith(f"lmsp worker: model m:1: {tmp_path / 'gone'} is not a checkpoint")
+
+
+def test_a_token_with_no_scope_is_refused(env, capsys):
+    """``--scopes ,,,`` made a token that can do nothing, and said so only as "with scopes ;"."""
+    fails_with(capsys, ("tokens", "create", "--principal", "x", "--scopes", ",,,"), "no scope in ',,,'")
+
+
+def test_a_revoke_without_redis_says_an_api_with_redis_may_take_a_moment(env, capsys):
+    code, lines, secret = lmsp(capsys, "tokens", "create", "--principal", "x")
+    code, lines, listed = lmsp(capsys, "tokens", "list")
+    token_id = listed.splitlines()[-1].split()[0]
+    code, lines, _ = lmsp(capsys, "tokens", "revoke", token_id)
+    assert code in (0, None) and "LMSP_REDIS_URL is not set here" in lines[-1], lines
