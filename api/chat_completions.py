@@ -8,17 +8,15 @@ generated exactly as ``POST /responses`` is; the response object and its events 
 """
 
 import json
-import logging
 import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, field_validator
 
 from common import events
-from common.errors import LMSPError, problem
+from common.errors import LMSPError
 from common.protocol import JsonSchema, Name, ParallelToolCalls, SdkParsed, Strict, TokenCount, parse
 
-log = logging.getLogger("lmsp.api")
 DONE = "data: [DONE]\n\n"
 
 
@@ -312,10 +310,9 @@ class Chunks:
             return out + (self._chunk(None, usage=usage) if self.include_usage and usage else "")
         return ""  # item boundaries, reasoning and attempts have no chat form
 
-    def failed(self, _seq: int) -> str:
+    def failed(self, _seq: int, doc: dict) -> str:
         """The stream cannot go on (``api.direct.stream``): an error chunk, as OpenAI's streams end."""
-        log.exception("chat completion stream failed")
-        return error_frame(problem("server_error", "The stream failed; send the request again"))
+        return error_frame(doc)
 
 
 def error_frame(doc: dict) -> str:

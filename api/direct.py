@@ -6,6 +6,7 @@ invariant 9), whether it reads a stream or waits for one answer.
 """
 
 import json
+import logging
 import select
 import socket
 import time
@@ -23,8 +24,10 @@ from api.services import idempotency
 from api.services.validation import Prepared, prepare
 from api.services.work import DirectWatch, drop_direct, response_of, submit_direct
 from common import events
-from common.errors import TRANSIENT, Problem
+from common.errors import TRANSIENT, LMSPError, Problem, problem
 from common.events import Event
+
+log = logging.getLogger("lmsp.api")
 
 # The problems of every direct request, in its endpoint's operation (api/operations.py) with its own.
 ERRORS = (PREPARE_ERRORS, (409, "idempotency_key_in_use"), *BODY_ERRORS, (422, "idempotency_key_reused"),
@@ -199,10 +202,19 @@ def wait(run: Direct, finish: Callable[[int, str], tuple[int, str]] = lambda sta
     raise AssertionError("follow() ends only after a final event")
 
 
+def stream_problem(exc: Exception) -> dict:
+    """What ends a direct stream that failed with ``exc``: its problem (the api process restarting), or
+    a failure of ours, logged."""
+    if isinstance(exc, LMSPError):
+        return exc.to_problem()
+    log.error("direct stream failed", exc_info=exc)
+    return problem("server_error", "The stream failed; send the request again")
+
+
 def stream(run: Direct, frames: Callable[[Event], str] = lambda event: events.sse(*event), end: str = "",
-           failed: Callable[[int], str] = stream_error) -> Iterator[str]:
+           failed: Callable[[int, dict], str] = stream_error) -> Iterator[str]:
     """The streamed answer: ``frames(event)`` for each event (SSE text, "" for none), ``end`` after the
-    final one, ``failed(position)`` (which logs) if the stream fails (the last id sent, as on a task's
+    final one, ``failed(position, problem)`` if the stream fails (the last id sent, as on a task's
     stream: an error is not one of the response's events); the response object is kept for the key's
     replays."""
     svc, last, finished = run.svc, 0, False
@@ -224,8 +236,8 @@ def stream(run: Direct, frames: Callable[[Event], str] = lambda event: events.ss
                 if end:
                     yield end
                 return
-    except Exception:  # noqa: BLE001 - the stream must end with an event, never half a line
-        yield failed(last)
+    except Exception as exc:  # noqa: BLE001 - the stream must end with an event, never half a line
+        yield failed(last, stream_problem(exc))
     finally:
         run.events.close()
         if not finished:

@@ -21,6 +21,7 @@ from api.live.loop import TICK_SECONDS, Loop
 from api.live.sinks import Ended, QueueSink, SocketSink
 from api.live.topics import Listener, Recent, Topic
 from common.bus import Publisher, notices
+from common.errors import LMSPError
 from common.settings import Settings
 
 log = logging.getLogger("lmsp.live")
@@ -56,6 +57,17 @@ class ShuttingDown(Exception):
     """This api process got SIGTERM: a task follower ends so its client resumes on another one."""
 
 
+# SIGTERM: a direct stream (or a synchronous request) cannot move to another process, so it runs on
+# this long; then it ends with a 503 or an error event and its generation is aborted, before gunicorn's
+# --graceful-timeout (10 s, api/serve.py) would cut it unsaid and leave its generation running.
+DIRECT_GRACE_SECONDS = 7.0
+
+
+def restarting() -> LMSPError:
+    return LMSPError("overloaded", "This api process is restarting; send the request again (a task, unlike a "
+                     "direct response, carries on elsewhere)", retry_after=1)
+
+
 class Hub:
     """One per api process: see the module. Other threads hand the fan-out thread work with ``call``."""
 
@@ -65,6 +77,7 @@ class Hub:
         self.settings = settings
         self._topics: dict[str, Topic] = {}
         self.closing = threading.Event()  # set on SIGTERM (api/__init__.py)
+        self.closing_at = 0.0             # when (monotonic)
         self.closed = threading.Event()   # every task follower has been ended after SIGTERM
         self.listener: Listener | None = None  # (the loop's thread asks it from its start)
         self.loop = Loop(self._poll_topics, self._tick, self._poll_every, self._failed)
@@ -172,8 +185,9 @@ class Hub:
         self.call(follower.end, GONE)
 
     def begin_shutdown(self) -> None:
-        """SIGTERM: end every task follower (its client resumes on another process); direct
-        streams cannot move and run on within gunicorn's graceful timeout."""
+        """SIGTERM: end every task follower (its client resumes on another process) and answer every
+        long poll; direct streams cannot move and run on for DIRECT_GRACE_SECONDS."""
+        self.closing_at = time.monotonic()
         self.closing.set()
         self.call(self._shutdown)
 
@@ -289,10 +303,14 @@ class Hub:
             for follower in topic.followers:
                 follower.transport_changed()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, direct: bool = False) -> None:
+        """End the task followers and wake the long polls (they answer at once); with ``direct``, end
+        the direct streams too."""
         for topic in list(self._topics.values()):
             for follower in list(topic.followers):
-                if follower.logged:
+                if isinstance(follower, Watcher):
+                    follower.transport_changed()
+                elif follower.logged or direct:
                     follower.end(SHUTDOWN)
 
     def _failed(self, follower: Follower | None, exc: BaseException) -> None:
@@ -367,6 +385,8 @@ class Hub:
                         follower.check_auth(now)
                 except Exception as exc:  # noqa: BLE001
                     self._failed(follower, exc)
+        if self.closing.is_set() and now - self.closing_at >= DIRECT_GRACE_SECONDS:
+            self._shutdown(direct=True)
         if self.closing.is_set() and not self.loop.draining and \
                 not any(f.logged for t in self._topics.values() for f in t.followers):
             self.closed.set()
@@ -378,8 +398,8 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
            subscription: Follower | None = None) -> Iterator[list[Event] | None]:
     """A follower read by this thread: lists of events with seq > ``after``, in order, the last list
     ending with the final event; None means "nothing happened for ``heartbeat`` seconds". It raises
-    ``ShuttingDown`` on SIGTERM (task followers only), the ``LMSPError`` of a revoked token or an
-    expired log, or what a database read raised. ``subscription`` is one the caller opened before
+    ``ShuttingDown`` on SIGTERM (a direct follower: ``restarting()``, after DIRECT_GRACE_SECONDS), the
+    ``LMSPError`` of a revoked token or an expired log, or what a database read raised. ``subscription`` is one the caller opened before
     dispatching the work (so nothing is missed); see ``Follower`` for the rest."""
     follower = subscription or hub.subscribe(response_id)
     if logged:
@@ -391,7 +411,7 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
             if not isinstance(item, Ended):
                 yield item
             elif item.how == SHUTDOWN:
-                raise ShuttingDown()
+                raise ShuttingDown() if logged else restarting()
             elif item.how == FAILED:
                 raise item.exc
             else:

@@ -221,11 +221,8 @@ class Connection:
     def _relay(self, run: direct.Direct, stream_id: str | None) -> bool:
         """Send the response's events until its final one (True), or until the socket goes (False:
         closing the stream aborts the generation)."""
-        def failed(_seq: int) -> str:
-            log.exception("WebSocket response stream failed")
-            return error_event(problem("server_error", "The response's stream failed"), stream_id)
-
-        texts = direct.stream(run, frames=lambda event: frame(event, stream_id), failed=failed)
+        texts = direct.stream(run, frames=lambda event: frame(event, stream_id),
+                              failed=lambda _seq, doc: error_event(doc, stream_id))
         try:
             for text in texts:
                 if text == events.HEARTBEAT:

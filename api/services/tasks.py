@@ -127,7 +127,8 @@ def _wait_for_change(svc: Services, principal: str, task_id: str, response_id: s
             # Asked at each read: Redis going away is heard as a notice, and what changes while it is
             # away publishes none.
             recheck = WAIT_RECHECK_SECONDS if svc.hub.connected else WAIT_RECHECK_WITHOUT_REDIS
-            if not unchanged(tag) or task.status in TERMINAL or read_at >= deadline:
+            # (SIGTERM: the task as it is now, rather than a reset when the process exits)
+            if not unchanged(tag) or task.status in TERMINAL or read_at >= deadline or svc.hub.closing.is_set():
                 return tag, task
             if not waited:
                 on_wait()
