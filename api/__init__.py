@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         publisher=publisher, hub=Hub(settings, reads, publisher),
         limiter=RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst, settings.redis_url),
         sender=ThreadPoolExecutor(1, "lmsp-dispatch"),
-        auth_failures=AuthFailures(settings.auth_failures_per_minute),
+        auth_failures=AuthFailures(settings.auth_failures_per_minute, settings.redis_url),
         streams=StreamSlots(settings.api_threads - settings.stream_reserved_threads,
                             settings.max_streams_per_principal),
         followers=StreamSlots(min(settings.max_followers_per_process, fd_budget()),

@@ -10,6 +10,7 @@ import time
 import redis
 
 from common.errors import LMSPError
+from common.tokens import KNOWN_SECONDS, known_key
 
 # KEYS[1] bucket; ARGV: rate/s, burst, now (s). Returns seconds to wait (0 = allowed).
 _LUA = """
@@ -61,25 +62,28 @@ class AuthFailures:
     """Failed lookups of well-formed tokens per client address in this process, per clock minute.
 
     Past the limit, an address's *unknown* tokens are refused with 429 before any database lookup,
-    so guessing costs the database nothing; a token that authenticated here in the last hour is
-    still looked up (a revocation takes effect at once), so clients that share the address (NAT,
-    a proxy) go on. A malformed token never costs a lookup and is not counted.
+    so guessing costs the database nothing. A *known* token is still looked up (a revocation takes
+    effect at once), so clients that share the address (NAT, a proxy) go on: one that authenticated
+    in this process in the last hour, or, with Redis, in any api process (a restarted one too) or that
+    ``lmsp tokens create`` made then (common/bus.py ``mark_known``). A malformed token never costs a
+    lookup and is not counted.
     """
 
-    KNOWN_SECONDS = 3600
-
-    def __init__(self, per_minute: int):
+    def __init__(self, per_minute: int, redis_url: str = ""):
         self.limit = per_minute
         self.window = 0
         self.counts: dict[str, int] = {}
-        self.known: dict[str, float] = {}  # token hash -> when it last authenticated
+        self.known: dict[str, float] = {}  # token hash -> when it last authenticated here
         self.lock = threading.Lock()
+        # Short timeouts: asked only for a locked-out address's token, on the request's thread.
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5) \
+            if redis_url else None
 
     def _roll(self, now: float) -> None:
         window = int(now // 60)
         if window != self.window:
             self.window, self.counts = window, {}
-            self.known = {d: t for d, t in self.known.items() if now - t < self.KNOWN_SECONDS}
+            self.known = {d: t for d, t in self.known.items() if now - t < KNOWN_SECONDS}
 
     def check(self, address: str, digest: str) -> None:
         now = time.time()
@@ -87,10 +91,18 @@ class AuthFailures:
             self._roll(now)
             blocked = (self.limit > 0 and self.counts.get(address, 0) >= self.limit
                        and digest not in self.known)
-        if blocked:
+        if blocked and not self._known_elsewhere(digest):
             wait = max(1, math.ceil(60 - now % 60))
             raise LMSPError("rate_limited", f"Too many bad tokens from {address}; retry after {wait} s",
                             retry_after=wait)
+
+    def _known_elsewhere(self, digest: str) -> bool:
+        if self.client is None:
+            return False
+        try:
+            return bool(self.client.exists(known_key(digest)))
+        except redis.RedisError:
+            return False  # as without Redis: this process's own knowledge
 
     def failed(self, address: str) -> None:
         with self.lock:
@@ -99,7 +111,13 @@ class AuthFailures:
 
     def succeeded(self, digest: str) -> None:
         with self.lock:
+            new = digest not in self.known
             self.known[digest] = time.time()
+        if new and self.client is not None:  # once an hour a token and process: every process knows it
+            try:
+                self.client.set(known_key(digest), 1, ex=KNOWN_SECONDS)
+            except redis.RedisError:
+                pass
 
 
 class StreamSlots:

@@ -8,6 +8,7 @@ notification changes nothing.
 import redis
 
 from common.events import REASONING_DELTA, TEXT_DELTA
+from common.tokens import KNOWN_SECONDS, known_key
 
 CHANNEL = "lmsp:events:"   # + response id: the batches of events a writer committed
 CONTROL = "lmsp:control"   # response ids whose generation workers should abort
@@ -136,6 +137,20 @@ def announce_revoked(redis_url: str, token_id: str) -> bool:
         return True
     except redis.RedisError:
         return False
+    finally:
+        client.close()
+
+
+def mark_known(redis_url: str, digest: str) -> None:
+    """Tell every api process that a new token (of hash ``digest``) exists, so that an address past its
+    bad-token limit still has it looked up (api/ratelimit.py ``AuthFailures``); best effort."""
+    if not redis_url:
+        return
+    client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+    try:
+        client.set(known_key(digest), 1, ex=KNOWN_SECONDS)
+    except redis.RedisError:
+        pass  # it becomes known when it first authenticates on a process not locked out
     finally:
         client.close()
 

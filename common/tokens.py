@@ -34,6 +34,15 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+KNOWN_SECONDS = 3600  # a token that authenticated (or was made) this recently is known (api/ratelimit.py)
+
+
+def known_key(digest: str) -> str:
+    """The Redis key saying that the token of hash ``digest`` is known: an address past its bad-token limit
+    still has it looked up. A hash of the hash: Redis never holds what the tokens table does."""
+    return "lmsp:auth:known:" + hashlib.sha256(b"known:" + digest.encode()).hexdigest()[:32]
+
+
 def parse_scopes(text: str | None) -> tuple[str, ...]:
     if text is None or not text.strip():
         return DEFAULT_SCOPES

@@ -29,7 +29,8 @@ cli.command("migrate", help="Apply database migrations.")(migrate)
               "for the principal's every token.")
 def tokens_create(principal: str, scopes: str | None, name: str | None, weight: float | None) -> None:
     """Create a token; prints it once."""
-    from common.tokens import check_principal, check_weight, create_token, parse_scopes
+    from common.bus import mark_known
+    from common.tokens import check_principal, check_weight, create_token, hash_secret, parse_scopes
     try:
         granted = parse_scopes(scopes)
         check_principal(principal, name)
@@ -40,6 +41,7 @@ def tokens_create(principal: str, scopes: str | None, name: str | None, weight: 
     with sessions()() as session:
         token_id, secret = create_token(session, principal, granted, name, weight)
         session.commit()
+    mark_known(get_settings().redis_url, hash_secret(secret))  # served even where bad tokens locked others out
     shared = "" if weight is None else f", weight {weight:g}"
     say(f"created token {token_id} for principal {principal} with scopes {' '.join(granted)}{shared}; "
         "it is shown only now")

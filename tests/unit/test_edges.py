@@ -220,6 +220,38 @@ def test_behind_a_trusted_proxy_bad_tokens_count_against_the_client_not_the_prox
         assert get(unit, carol, "203.0.113.10").status_code == carol_answer
 
 
+def test_a_locked_out_address_still_has_tokens_known_to_any_process_looked_up(tmp_path):
+    """Found by a hostile client's probe: past the bad-token limit, a valid token this process had not
+    seen got 429, so one client's guesses locked out the new tokens of everyone at its address, and a
+    restarted process locked out every client there. With Redis, a token any api process authenticated
+    lately, or that ``lmsp tokens create`` made, is still looked up; an unknown one is still refused."""
+    from api import create_app
+    from common.bus import mark_known
+    from common.tokens import hash_secret
+    from tests.harness import REDIS_URL
+    from tests.unit.conftest import make_unit
+
+    first = make_unit(tmp_path, redis_url=REDIS_URL, auth_failures_per_minute=5)
+    second = create_app(first.settings)  # another api process (or this one restarted)
+
+    def get(app, secret, address="203.0.113.77"):
+        return app.test_client().get("/lmsp/v1/models", headers={"Authorization": f"Bearer {secret}"},
+                                     environ_base={"REMOTE_ADDR": address})
+
+    with first.sessions() as session:
+        _, seen = create_token(session, "dora", ("models:read",))
+        _, made = create_token(session, "emil", ("models:read",))
+        _, fresh = create_token(session, "finn", ("models:read",))
+        session.commit()
+    mark_known(REDIS_URL, hash_secret(made))  # what `lmsp tokens create` does
+    assert get(first.app, seen, "198.51.100.1").status_code == 200  # seen by the first process only
+    guesses = [get(second, f"lmsp_{i:043d}").status_code for i in range(7)]
+    assert guesses == [401] * 5 + [429] * 2
+    assert get(second, seen).status_code == 200
+    assert get(second, made).status_code == 200
+    assert get(second, fresh).status_code == 429  # never seen, never announced: a guess like any other
+
+
 # --- param names and capabilities ---------------------------------------------------------------
 
 @pytest.mark.parametrize("model, data, param", [
