@@ -5,7 +5,7 @@ its input items, and its deletion."""
 import time
 from collections.abc import Callable
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from api.extensions import Services
@@ -14,7 +14,7 @@ from api.services.streams import open_stream
 from common import lifecycle, wire
 from common.errors import LMSPError
 from common.resources import is_background
-from common.tables import Response
+from common.tables import Response, Task
 
 ORDERS = ("asc", "desc")
 CANCEL_WAIT_SECONDS = 5.0  # how long a cancel waits for the worker to stop, to answer the response cancelled
@@ -116,6 +116,10 @@ def delete(svc: Services, principal: str, response_id: str) -> wire.DeletedRespo
         row = require(session, principal, response_id)
         if is_background(row):
             background.cancel(svc, session, row)
+        elif (task_id := session.execute(select(Task.id).where(Task.response_id == row.id)).scalar()) is not None:
+            # Its task would still show it (GET /tasks/{id}, the task's events): refused, not half done.
+            raise LMSPError("invalid_request", f"Response {row.id} is the output of task {task_id}: it is kept "
+                            "with its task (LMSP_RECORD_RETENTION_SECONDS) and cannot be deleted on its own")
         session.execute(update(Response).where(Response.id == row.id).values(stored=False))
         session.commit()
         return wire.DeletedResponse(id=row.id)

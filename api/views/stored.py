@@ -102,7 +102,8 @@ def input_items(response_id: str):
 @operation("deleteResponse", "Delete a stored response", tag="responses", scope="responses:write",
            answers={200: json_answer("Deleted: every read of it answers 404 from now on; a background "
                                      "response still running is cancelled first", wire.DeletedResponse)},
-           errors=[(404, "response_not_found")], params=["ResponseId"])
+           errors=[(400, "invalid_request", "The response is a task's output (POST /lmsp/v1/tasks): it is kept "
+                    "with its task"), (404, "response_not_found")], params=["ResponseId"])
 def delete(response_id: str):
     return _json(stored.delete(services(), principal(), response_id))
 

@@ -163,3 +163,16 @@ def test_a_tasks_response_is_retrievable_only_when_stored(alice):
     doc = problem(alice.post("/lmsp/v1/responses", request_body(previous_response_id=plain["response_id"])),
                   404, "response_not_found")
     assert doc["param"] == "previous_response_id"
+
+
+def test_a_tasks_response_is_not_deleted_on_its_own(unit, alice):
+    """Found by a hostile client's probe: DELETE answered deleted, yet the task went on showing the
+    response (GET /tasks/{id}, its events). It is refused; a direct stored response is deleted."""
+    task = alice.post("/lmsp/v1/tasks", {"type": "response", "input": request_body(store=True)}).get_json()
+    refused = alice.open("DELETE", f"/lmsp/v1/responses/{task['response_id']}")
+    assert task["id"] in problem(refused, 400, "invalid_request")["detail"]
+    assert alice.get(f"/lmsp/v1/responses/{task['response_id']}").status_code == 200
+    with FakeWorker(unit.sessions, MODEL):
+        made = alice.post("/lmsp/v1/responses", request_body(store=True)).get_json()
+    assert alice.open("DELETE", f"/lmsp/v1/responses/{made['id']}").get_json()["deleted"] is True
+    problem(alice.get(f"/lmsp/v1/responses/{made['id']}"), 404, "response_not_found")
