@@ -399,8 +399,9 @@ def follow(hub: Hub, response_id: str, after: int, *, logged: bool, heartbeat: f
     """A follower read by this thread: lists of events with seq > ``after``, in order, the last list
     ending with the final event; None means "nothing happened for ``heartbeat`` seconds". It raises
     ``ShuttingDown`` on SIGTERM (a direct follower: ``restarting()``, after DIRECT_GRACE_SECONDS), the
-    ``LMSPError`` of a revoked token or an expired log, or what a database read raised. ``subscription`` is one the caller opened before
-    dispatching the work (so nothing is missed); see ``Follower`` for the rest."""
+    ``LMSPError`` of a revoked token or an expired log, or what a database read raised.
+    ``subscription`` is one the caller opened before dispatching the work (so nothing is missed); see
+    ``Follower`` for the rest."""
     follower = subscription or hub.subscribe(response_id)
     if logged:
         hub.hint(response_id)
