@@ -15,7 +15,16 @@ from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, f
 
 from common import events
 from common.errors import LMSPError
-from common.protocol import JsonSchema, Name, ParallelToolCalls, SdkParsed, Strict, TokenCount, parse
+from common.protocol import (
+    ClientHints,
+    JsonSchema,
+    Name,
+    ParallelToolCalls,
+    SdkParsed,
+    Strict,
+    TokenCount,
+    parse,
+)
 
 DONE = "data: [DONE]\n\n"
 
@@ -133,7 +142,7 @@ def _stops(value):
     return [value] if isinstance(value, str) else value
 
 
-class ChatRequest(Strict):
+class ChatRequest(ClientHints):
     """``POST /chat/completions`` as OpenAI's SDK sends it. Sampling knobs the engine path does not
     carry are accepted only at their neutral values."""
     model: str = Field(min_length=1, max_length=200)
@@ -156,7 +165,6 @@ class ChatRequest(Strict):
     parallel_tool_calls: ParallelToolCalls | None = None
     response_format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
                                Field(discriminator="type")] | None = None
-    user: StrictStr | None = None  # an end-user id for the client's own records: not read
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -197,7 +197,17 @@ class ResponseStreamOptions(Strict):
     include_obfuscation: StrictBool | None = None  # padding against length side channels: none is sent
 
 
-class ResponseRequest(Strict):
+class ClientHints(Strict):
+    """What OpenAI's clients send for the service's own records or tuning, taken and not read, on
+    /responses and /chat/completions: an end user's id, a service tier (there is one), a prompt cache key
+    (prefix caching needs none), a safety identifier."""
+    user: StrictStr | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_key: Annotated[StrictStr, Field(max_length=1024)] | None = None
+    safety_identifier: Annotated[StrictStr, Field(max_length=1024)] | None = None
+
+
+class ResponseRequest(ClientHints):
     """Other spellings (the OpenAI SDK's) are folded into LMSP's when parsed, so what is stored, and
     what a worker reads, is LMSP's only: a string ``input`` (one user message), ``instructions`` (a
     system message first), ``text.format`` (``response_format``)."""
@@ -223,11 +233,13 @@ class ResponseRequest(Strict):
     extensions: dict | None = None
     text: TextConfig | None = None
     background: StrictBool | None = None
-    # OpenAI's members with nothing to do here: an end user's id for the client's own records (not read),
-    # the default truncation (``auto`` would drop input items unasked: refused), stream options.
-    user: StrictStr | None = None
+    # OpenAI's members with nothing to do here: the default truncation (``auto`` would drop input items
+    # unasked: refused), stream options, and the one ``include`` that asks for nothing this service has
+    # (reasoning items are never encrypted here; the Agents SDK sends it); other includes (logprobs, tool
+    # results) would be promises not kept: refused.
     truncation: Literal["disabled"] | None = None
     stream_options: ResponseStreamOptions | None = None
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     _format_param: str = PrivateAttr("response_format")  # how the client spelled it: errors name that
     _instructions: str | None = PrivateAttr(None)  # as given, for the response object (``given_instructions``)
 

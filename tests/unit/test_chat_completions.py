@@ -31,7 +31,9 @@ def test_messages_of_every_role_become_input_items():
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         {"role": "assistant", "content": "It is sunny."}], "max_completion_tokens": 9, "stop": "x", "seed": 3,
         "tools": [{"type": "function", "function": {"name": "f"}}],
-        "tool_choice": {"type": "function", "function": {"name": "f"}}, "response_format": {"type": "json_object"}})
+        "tool_choice": {"type": "function", "function": {"name": "f"}}, "response_format": {"type": "json_object"},
+        # OpenAI clients' hints: taken, not read
+        "user": "u-1", "service_tier": "auto", "prompt_cache_key": "k-1", "safety_identifier": "s-1"})
     req = ResponseRequest.model_validate(body)
     assert [(i.type, getattr(i, "role", None)) for i in req.input] == [
         ("message", "system"), ("message", "system"), ("message", "user"), ("function_call", None),

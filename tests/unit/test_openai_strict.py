@@ -113,7 +113,9 @@ def test_openais_request_members_are_taken_and_the_response_repeats_them(unit, s
     assert (plain.instructions, plain.temperature, plain.top_p, plain.background) == (None, None, None, True)
     with FakeWorker(unit.sessions, MODEL):
         direct = sdk.responses.create(model=MODEL, input="hi", stream_options={"include_obfuscation": False})
-    assert direct.background is False and direct.status == "completed"
+        hinted = sdk.responses.create(model=MODEL, input="hi", service_tier="auto", prompt_cache_key="k-1",
+                                      safety_identifier="u-1", include=["reasoning.encrypted_content"])
+    assert direct.background is False and direct.status == "completed" and hinted.status == "completed"
 
 
 def test_what_the_sdks_helpers_return_goes_back_as_history(unit, sdk):

@@ -55,6 +55,8 @@ INVALID = [
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"top_p": 0.5}, "top_p"),
     ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs"]}, "include[0]"),
+    ({"service_tier": "flex"}, "service_tier"),
     ({"input": [{"role": "root", "content": "hi"}]}, "input[0].role"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format.schema"),
     ({"text": {"format": {"type": "text"}}, "response_format": {"type": "text"}}, "text"),
