@@ -127,8 +127,13 @@ class DirectWatch:
                 session.commit()
                 row = session.get(Response, self.response_id, populate_existing=True)
         if row is None:  # lost with its lazy commit (lifecycle.create_direct) by a database crash
-            ending = events.final(self.response_id, R.FAILED, error=lifecycle.restarted_error(
-                "The database restarted and lost this response; send the request again"))
+            error = lifecycle.restarted_error("The database restarted and lost this response; send the request "
+                                              "again")
+            # Its final event shows a response object as every final event does (the OpenAI SDK's stream
+            # helper reads its id): the lost one as this request knew it.
+            lost = Response(id=self.response_id, model=self.spec.id, created_at=time.time(), status=R.FAILED,
+                            error=error, output=[])
+            ending = events.final(self.response_id, R.FAILED, error=error, response=response_object(lost))
         elif row.status in (R.QUEUED, R.IN_PROGRESS):
             return None
         else:

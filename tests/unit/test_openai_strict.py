@@ -90,6 +90,30 @@ def test_every_item_events_validate_as_the_sdks_events(mode, chunks, cut):
         assert event.type == name and event.sequence_number == seq
 
 
+def test_the_events_that_end_a_lost_direct_response_are_taken_by_the_sdks_stream_helper(unit):
+    """A direct response a database crash lost (its row committed lazily) ends with events the api makes
+    up: its final event had no response object, and the SDK's stream helper reads the id of every
+    lifecycle event's (``event.response.id``): it raised AttributeError."""
+    import json
+
+    from openai import omit
+    from openai._models import construct_type  # as the SDK reads a stream (strict: our codes are not OpenAI's)
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    from api.services.work import DirectWatch
+    from common import events
+
+    svc = unit.app.extensions["lmsp"]
+    ending = DirectWatch(svc, "resp_01LOST", svc.registry.get(MODEL))()
+    frames = events.Sequence().closing(ending)
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for seq, name, data in frames:
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=json.loads(events.typed(seq, name, data))))
+    assert [name for _, name, _ in frames] == ["response.created", "response.failed"]
+    assert json.loads(frames[-1][2])["response"]["error"]["code"] == "server_restarted"
+
+
 def test_openais_request_members_are_taken_and_the_response_repeats_them(unit, sdk):
     """What an OpenAI client sends that LMSP spells otherwise or does not need: ``developer`` (the system
     role's newer name), ``top_p`` 1, JSON mode, ``user``, ``truncation: disabled``, ``stream_options``;
