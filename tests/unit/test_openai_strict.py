@@ -97,7 +97,9 @@ def test_the_events_that_end_a_lost_direct_response_are_taken_by_the_sdks_stream
     import json
 
     from openai import omit
-    from openai._models import construct_type  # as the SDK reads a stream (strict: our codes are not OpenAI's)
+    from openai._models import (
+        construct_type,  # as the SDK reads a stream (strict: our codes are not OpenAI's)
+    )
     from openai.lib.streaming.responses._responses import ResponseStreamState
     from openai.types.responses import ResponseStreamEvent
 
