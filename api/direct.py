@@ -93,13 +93,13 @@ def launch(svc, who: str, prepared: Prepared, key: idempotency.Key | None = None
         return live
 
     try:
-        response_id = submit_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed,
-                                    session=session)
+        response_id, sent = submit_direct(svc, who, prepared, before_commit=subscribe, before_dispatch=confirmed,
+                                          session=session)
     except BaseException:
         if subscription is not None:
             subscription.close()
         raise
-    watch = DirectWatch(svc, response_id, prepared.spec, logged=not live)
+    watch = DirectWatch(svc, response_id, prepared.spec, logged=not live, sent=sent)
     return Direct(svc, response_id, prepared, key, _events(svc, response_id, subscription, watch))
 
 

@@ -74,6 +74,7 @@ class AuthFailures:
         self.window = 0
         self.counts: dict[str, int] = {}
         self.known: dict[str, float] = {}  # token hash -> when it last authenticated here
+        self.told: dict[str, float] = {}   # token hash -> when this process last marked it known in Redis
         self.lock = threading.Lock()
         # Short timeouts: asked only for a locked-out address's token, on the request's thread.
         self.client = redis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5) \
@@ -84,6 +85,7 @@ class AuthFailures:
         if window != self.window:
             self.window, self.counts = window, {}
             self.known = {d: t for d, t in self.known.items() if now - t < KNOWN_SECONDS}
+            self.told = {d: t for d, t in self.told.items() if now - t < KNOWN_SECONDS / 2}
 
     def check(self, address: str, digest: str) -> None:
         now = time.time()
@@ -110,14 +112,19 @@ class AuthFailures:
             self.counts[address] = self.counts.get(address, 0) + 1
 
     def succeeded(self, digest: str) -> None:
+        now = time.time()
         with self.lock:
-            new = digest not in self.known
-            self.known[digest] = time.time()
-        if new and self.client is not None:  # once an hour a token and process: every process knows it
+            self.known[digest] = now
+            # Marked anew every half of its expiry while in use (a write a token and process per half hour):
+            # then every process knows it, for as long as it is used anywhere.
+            tell = self.client is not None and now - self.told.get(digest, -KNOWN_SECONDS) >= KNOWN_SECONDS / 2
+            if tell:
+                self.told[digest] = now
+        if tell:
             try:
                 self.client.set(known_key(digest), 1, ex=KNOWN_SECONDS)
             except redis.RedisError:
-                pass
+                self.told.pop(digest, None)  # told nobody: the next success tries again
 
 
 class StreamSlots:

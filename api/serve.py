@@ -62,7 +62,7 @@ class Worker(ThreadWorker):
             # request line's (SERVER_PROTOCOL); HTTP_VERSION would be a client's own "Version:" header.
             if not self.cfg.is_ssl and environ.get("SERVER_PROTOCOL") in ("HTTP/1.0", "HTTP/1.1"):
                 environ[DETACH] = self.detached.add
-            self._watch_body(environ)
+            self._watch_body(environ, start_response)
             return app(environ, start_response)
         self.wsgi = wsgi
 
@@ -79,7 +79,7 @@ class Worker(ThreadWorker):
             self.reading.pop(conn.sock, None)
             self.cut.discard(conn.sock)
 
-    def _watch_body(self, environ) -> None:
+    def _watch_body(self, environ, start_response) -> None:
         """The head is read: the body's own time, or none (a view without a body may run for hours)."""
         sock = environ["gunicorn.socket"]
         self.reading.pop(sock, None)
@@ -99,7 +99,10 @@ class Worker(ThreadWorker):
             deadline = time.monotonic() + within
             if self.reading.get(sock, deadline) > deadline:  # (still being read, and later than that)
                 self.reading[sock] = deadline
-        environ["wsgi.input"] = _WatchedBody(environ["wsgi.input"], declared, seconds, done, hurry)
+        # gunicorn's response (start_response's) closes the connection after it when told, and says so
+        # (Connection: close): an application's own Connection header is dropped as hop-by-hop.
+        close = getattr(getattr(start_response, "__self__", None), "force_close", lambda: None)
+        environ["wsgi.input"] = _WatchedBody(environ["wsgi.input"], declared, seconds, done, hurry, close)
 
     def murder_pending(self) -> None:
         """(The main thread, at least once a second.) Cut the reads of requests past their time."""
@@ -144,17 +147,19 @@ class _WatchedBody:
     """``wsgi.input`` of a request whose body is being read under the watch: ``done()`` takes it off once
     the body is in (and says whether the watch had cut it first: a 408, not a truncated body)."""
 
-    def __init__(self, body, declared: int | None, seconds: float, done, hurry):
-        self._body, self._left, self._seconds, self._done, self._hurry = body, declared, seconds, done, hurry
+    def __init__(self, body, declared: int | None, seconds: float, done, hurry, close):
+        self._body, self._left, self._seconds, self._done = body, declared, seconds, done
+        self._hurry, self._close = hurry, close
 
     def discard(self, size: int) -> None:
-        """Read and drop up to ``size`` bytes of the body within DRAIN_SECONDS; then the read is cut."""
+        """Read and drop up to ``size`` bytes of the body within DRAIN_SECONDS; then the read is cut, and
+        the answer closes the connection (what is left of the body would be read as the next request)."""
         self._hurry(DRAIN_SECONDS)
         try:
             while size > 0 and (chunk := self.read(min(size, 65536))):
                 size -= len(chunk)
         except (OSError, RequestTimeout):
-            pass  # cut (or the client left): what was sent so far is dropped, and that is all we wanted
+            self._close()  # cut (or the client left): what was sent so far is dropped, all we wanted
 
     def _read(self, how, size) -> bytes:
         try:

@@ -42,6 +42,9 @@ def prompt_ids(body: dict) -> list[int] | None:
     return ids if isinstance(ids, list) and ids and all(type(i) is int for i in ids) else None
 
 
+RETRY_ONCE = {"max_retries": 1, "interval_start": 0, "interval_step": 0, "interval_max": 0}
+
+
 def send(celery, queue_name: str, response_id: str, prompt_ids: list[int] | None = None,
          logged: bool = False) -> None:
     q = queue(queue_name)
@@ -50,5 +53,7 @@ def send(celery, queue_name: str, response_id: str, prompt_ids: list[int] | None
         # after a FLUSHALL on a live connection kombu still believes the table declared and routes the
         # message nowhere, silently, for this and every re-send (the chaos run found direct responses
         # left queued forever that way).
+        # One retry, at once: it revives a pooled connection a Redis restart broke. Without a policy kombu
+        # retried for as long as the broker was away, and a synchronous request never answered.
         producer.publish(encode(response_id, prompt_ids, logged), exchange="", routing_key=q.name, declare=[q],
-                         serializer="json", retry=True)
+                         serializer="json", retry=True, retry_policy=RETRY_ONCE)

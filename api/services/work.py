@@ -54,8 +54,9 @@ def _stored(prepared: Prepared) -> bool:
 
 
 def submit_direct(svc: Services, principal: str, prepared: Prepared, before_commit=None,
-                  before_dispatch=None, session: Session | None = None) -> str:
-    """``before_commit(response_id)`` and ``before_dispatch(response_id)`` run around the commit: the
+                  before_dispatch=None, session: Session | None = None) -> tuple[str, bool]:
+    """The response's id, and whether its message was sent (``DirectWatch`` sends it again).
+    ``before_commit(response_id)`` and ``before_dispatch(response_id)`` run around the commit: the
     caller subscribes to the response's events there, so it misses none of them; ``before_dispatch``
     returns False when the subscription is not live, and the worker then logs the events too.
     ``session``: the request's own (closed here), else a new one."""
@@ -67,8 +68,7 @@ def submit_direct(svc: Services, principal: str, prepared: Prepared, before_comm
         lifecycle.create_direct(session, row)
         session.commit()
     logged = before_dispatch is not None and before_dispatch(row.id) is False
-    send_direct(svc, prepared.spec.interactive_queue, row.id, prepared.prompt_ids, logged)
-    return row.id
+    return row.id, send_direct(svc, prepared.spec.interactive_queue, row.id, prepared.prompt_ids, logged)
 
 
 def warm_direct(svc: Services, principal: str, prepared: Prepared) -> wire.ResponseObject:
@@ -114,11 +114,12 @@ class DirectWatch:
     stayed so for another lease) fails ``server_restarted`` (a worker's sweeper does the same, but
     there may be none left)."""
 
-    def __init__(self, svc: Services, response_id: str, spec, logged: bool = False):
+    def __init__(self, svc: Services, response_id: str, spec, logged: bool = False, sent: bool = True):
+        """``sent``: whether its first message was."""
         self.svc, self.response_id, self.spec, self.logged = svc, response_id, spec, logged
         self.sent = self.served = time.monotonic()
         self.orphaned: float | None = None  # since when its worker has looked expired
-        self.unsent: float | None = None    # since when its message could not be sent again
+        self.unsent: float | None = None if sent else self.sent  # since when its message could not be sent
 
     def __call__(self) -> list[events.EventData] | None:
         with self.svc.sessions() as session:

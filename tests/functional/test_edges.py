@@ -619,6 +619,7 @@ def test_a_body_refused_for_its_size_holds_no_thread_and_is_answered_413(api):
         stalled.close()
     head_line, _, doc = reply.partition(b"\r\n\r\n")
     assert head_line.startswith(b"HTTP/1.1 413 ") and PROBLEM.encode() in head_line, reply[:500]
+    assert b"connection: close" in head_line.lower()  # as it does: the rest of the body is not read
     assert json.loads(doc)["code"] == "payload_too_large"
     assert DRAIN_SECONDS - 1 <= took < DRAIN_SECONDS + 5
 

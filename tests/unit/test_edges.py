@@ -252,6 +252,32 @@ def test_a_locked_out_address_still_has_tokens_known_to_any_process_looked_up(tm
     assert get(second, fresh).status_code == 429  # never seen, never announced: a guess like any other
 
 
+def test_a_token_in_use_stays_known_to_every_process():
+    """A process marked a token known in Redis only when it first saw it: used for over an hour there, it
+    was no longer known to the others (found by an outside check of the fix above)."""
+    import uuid
+
+    import redis
+
+    from api.ratelimit import AuthFailures
+    from common.tokens import KNOWN_SECONDS, known_key
+    from tests.harness import REDIS_URL
+
+    client, digest = redis.Redis.from_url(REDIS_URL), uuid.uuid4().hex
+    failures = AuthFailures(5, REDIS_URL)
+    try:
+        failures.succeeded(digest)
+        assert client.ttl(known_key(digest)) > KNOWN_SECONDS - 5
+        client.expire(known_key(digest), 10)  # nearly an hour on
+        failures.succeeded(digest)  # used again soon after: not told again
+        assert client.ttl(known_key(digest)) <= 10
+        failures.told[digest] -= KNOWN_SECONDS / 2  # half an hour on, still in use
+        failures.succeeded(digest)
+        assert client.ttl(known_key(digest)) > KNOWN_SECONDS - 5
+    finally:
+        client.delete(known_key(digest))
+
+
 # --- param names and capabilities ---------------------------------------------------------------
 
 @pytest.mark.parametrize("model, data, param", [
