@@ -57,6 +57,15 @@ def default_url() -> str:
     return f"http://{host}:{settings.port}"
 
 
+def base_url(url: str | None) -> str:
+    """``url`` (default: ``default_url()``) without a trailing slash; a ``ClientError`` for one without its
+    scheme, which httpx would take for a path and fail to reach as "is the service running?"."""
+    url = (url or default_url()).rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ClientError(f"{url!r} is not a URL: give http://host:port (--url or LMSP_URL)")
+    return url
+
+
 def dev_token_path() -> Path:
     from common.settings import load_settings
     return load_settings().home / "dev-token"
@@ -384,7 +393,7 @@ class Client:
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
                  max_retries: int = 5, reconnect_timeout: float = 300.0,
                  transport: httpx.BaseTransport | None = None):
-        self.url = (url or default_url()).rstrip("/")
+        self.url = base_url(url)
         self.max_retries = max_retries
         self.reconnect_timeout = reconnect_timeout
         self._http = httpx.Client(base_url=self.url, headers=_headers(token or default_token()),
@@ -520,7 +529,7 @@ class AsyncClient:
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
                  max_retries: int = 5, reconnect_timeout: float = 300.0,
                  transport: httpx.AsyncBaseTransport | None = None):
-        self.url = (url or default_url()).rstrip("/")
+        self.url = base_url(url)
         self.max_retries = max_retries
         self.reconnect_timeout = reconnect_timeout
         self._http = httpx.AsyncClient(base_url=self.url, headers=_headers(token or default_token()),

@@ -60,7 +60,7 @@ def _spec(registry: Registry, model_id: str, tensor_parallel: int) -> tuple[Mode
         spec = registry.get(model_id)
     except LMSPError:
         sys.exit(f"lmsp worker: no model {model_id!r} in {settings.models_path}; "
-                 "`lmsp models list` shows them, `make model` imports the default")
+                 "`lmsp models list --registry` shows them, `make model` imports the default")
     try:
         # The same files the api's tokenizer reads; fetched here if this host has none yet (a no-op
         # when `lmsp models pull` or Kubernetes' init container already did).

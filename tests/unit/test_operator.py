@@ -350,3 +350,9 @@ def test_a_revoke_without_redis_says_an_api_with_redis_may_take_a_moment(env, ca
     token_id = listed.splitlines()[-1].split()[0]
     code, lines, _ = lmsp(capsys, "tokens", "revoke", token_id)
     assert code in (0, None) and "LMSP_REDIS_URL is not set here" in lines[-1], lines
+
+
+def test_a_service_address_without_its_scheme_says_so(env, capsys, monkeypatch):
+    """``LMSP_URL=127.0.0.1:8080`` was taken for a path: "Is the service running?"."""
+    monkeypatch.setenv("LMSP_URL", "127.0.0.1:8080")
+    fails_with(capsys, ("ask", "hi", "--token", "x"), "'127.0.0.1:8080' is not a URL", "http://")
