@@ -172,13 +172,18 @@ class Doctor:
         return True, f"{len(names)} ({', '.join(names)}), CUDA {torch.version.cuda}, torch {torch.__version__}"
 
     def disk(self) -> tuple[bool, str]:
+        """Free space where models are written: the hub's cache (a repo id's files) and LMSP_HOME's
+        (imported GGUFs, the default model), the fuller of the two when they are apart."""
         from huggingface_hub import constants
-        where = Path(constants.HF_HUB_CACHE)
-        while not where.exists():
-            where = where.parent
-        free = shutil.disk_usage(where).free / 2 ** 30
+
+        def existing(path: Path) -> Path:
+            while not path.exists():
+                path = path.parent
+            return path
+        places = {existing(Path(constants.HF_HUB_CACHE)), existing(self.settings.model_cache)}
+        free, where = min((shutil.disk_usage(place).free / 2 ** 30, place) for place in places)
         if free < self.min_free_gib:
-            return False, (f"{free:.1f} GiB free under {where} (the model cache; below {self.min_free_gib:g}): "
+            return False, (f"{free:.1f} GiB free under {where} (a model cache; below {self.min_free_gib:g}): "
                            "free space or move HF_HOME / LMSP_HOME to a bigger volume")
         return True, f"{free:.0f} GiB free under {where}"
 

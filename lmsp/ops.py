@@ -37,7 +37,7 @@ def keda_role(keda_url: str) -> None:
 @cli.command("doctor")
 @click.option("--model", "models", multiple=True, help="Check these models only (a worker host's own); "
               "default: every model of the registry.")
-@click.option("--min-free-gib", type=float, default=10.0, show_default=True,
+@click.option("--min-free-gib", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Free space the model cache needs.")
 def doctor(models: tuple[str, ...], min_free_gib: float) -> None:
     """Check this host: Postgres and Redis by the configured URLs, the schema, the clock against the

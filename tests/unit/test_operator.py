@@ -356,3 +356,17 @@ def test_a_service_address_without_its_scheme_says_so(env, capsys, monkeypatch):
     """``LMSP_URL=127.0.0.1:8080`` was taken for a path: "Is the service running?"."""
     monkeypatch.setenv("LMSP_URL", "127.0.0.1:8080")
     fails_with(capsys, ("ask", "hi", "--token", "x"), "'127.0.0.1:8080' is not a URL", "http://")
+
+
+def test_doctors_disk_check_reads_every_model_cache(tmp_path, capsys):
+    """It read the hub's cache alone: LMSP_HOME's (imported GGUFs, the default model) may be another volume."""
+    from common.settings import Settings
+    from lmsp.doctor import Doctor
+
+    home = tmp_path / "not-made-yet"
+    ok, line = Doctor(Settings(home=home), min_free_gib=0).disk()
+    assert ok and "GiB free under" in line
+    ok, line = Doctor(Settings(home=home), min_free_gib=1e12).disk()
+    assert not ok and "below 1e+12" in line
+    code, lines, _ = lmsp(capsys, "doctor", "--min-free-gib", "-5")
+    assert code == 2 and any("-5" in line for line in lines)  # a usage error, not a check that always passes
