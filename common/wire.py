@@ -313,16 +313,17 @@ class ModelList(Shape):
     data: list[Model]
 
 
-WorkerStateName = Literal["ready", "loading", "reloading", "draining", "lost"]
+WorkerStateName = Literal["ready", "loading", "reloading", "reconnecting", "draining", "lost"]
 
 
 class WorkerStates(Shape):
     """Workers by state: ready (claiming work), loading (its first engine), reloading (a new engine after
-    the old one died), draining (stopping: it claims nothing more), lost (its lease expired, shown for an
-    hour)."""
+    the old one died), reconnecting (it lost the broker: no work reaches it), draining (stopping: it
+    claims nothing more), lost (its lease expired, shown for an hour)."""
     ready: Count = 0
     loading: Count = 0
     reloading: Count = 0
+    reconnecting: Count = 0
     draining: Count = 0
     lost: Count = 0
 

@@ -49,6 +49,7 @@ class WorkerContext:
     tokens: TokenRate = field(default_factory=TokenRate)  # generated tokens, for the heartbeat's rate
     lock: threading.Lock = field(default_factory=threading.Lock)
     engine_lost_at: float | None = None  # monotonic time the engine was found dead (until a new one loads)
+    broker_lost_at: float | None = None  # monotonic time its consumer lost the broker (until it consumes again)
     db_ok_since: float | None = None    # monotonic time of the first heartbeat after a database outage
     orphans: set = field(default_factory=set)  # own tasks seen not running at the last sweep
     hints_live: threading.Event = field(default_factory=threading.Event)  # subscribed to the api's cancel hints
@@ -98,13 +99,19 @@ class WorkerContext:
             return False
         return self.engine_ok.is_set() and self.writer.alive and not (self.draining.is_set() or self.stopping.is_set())
 
+    def serving(self) -> bool:
+        """``ready`` and reached by the broker: what its heartbeat, /readyz and GET /models report. A worker
+        whose consumer lost the broker gets no work (nor does any direct request wait for it), though it
+        goes on generating what it has."""
+        return self.ready() and self.broker_lost_at is None
+
     def state(self) -> str:
         """What the workers panel shows: ready; loading (its first engine), reloading (a new engine after
-        the old one died) or draining (SIGTERM, or stopping)."""
+        the old one died), reconnecting (to the broker) or draining (SIGTERM, or stopping)."""
         if self.draining.is_set() or self.stopping.is_set():
             return "draining"
         if self.ready():
-            return "ready"
+            return "ready" if self.broker_lost_at is None else "reconnecting"
         return "loading" if self.engine_lost_at is None else "reloading"
 
     def write(self, fn):

@@ -23,7 +23,7 @@ def beat(ctx: WorkerContext, stopped: bool = False, boot: bool = False) -> None:
     try:
         with transaction(ctx.sessions) as session:
             liveness.heartbeat(session, ctx.worker_id, ctx.hosts.servable(), ctx.started_at,
-                               running=ctx.hosts.running(), ready=ctx.ready(), loaded=ctx.hosts.loaded(),
+                               running=ctx.hosts.running(), ready=ctx.serving(), loaded=ctx.hosts.loaded(),
                                state=ctx.state(), tokens_per_second=ctx.tokens.per_second(),
                                stopped=stopped, boot=boot)
     except SQLAlchemyError:

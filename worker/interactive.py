@@ -82,7 +82,11 @@ def _consume(ctx: WorkerContext, pool: ThreadPoolExecutor) -> None:
                         continue
                     _drain(ctx, conn, lanes, on_message)
         except Exception:  # noqa: BLE001 - the broker restarted: reconnect
-            log.warning("interactive consumer lost the broker; reconnecting", exc_info=True)
+            # Not serving until it consumes again (its heartbeat says so: no direct request waits for it);
+            # the whole traceback once an outage, not every second of it.
+            first = ctx.broker_lost_at is None
+            ctx.broker_lost_at = ctx.broker_lost_at or time.monotonic()
+            log.warning("interactive consumer lost the broker; reconnecting", exc_info=first)
             ctx.stopping.wait(1)
 
 
@@ -93,6 +97,10 @@ def _drain(ctx: WorkerContext, conn, lanes: _Lanes, on_message) -> None:
         for model in models:
             consumers.enter_context(conn.Consumer(interactive_wire.queue(ctx.spec(model).interactive_queue),
                                                   callbacks=[on_message(model)], accept=["json"]))
+        conn.ensure_connection(max_retries=1, interval_start=0)  # (no consumer declared it without a model)
+        if ctx.broker_lost_at is not None:
+            log.info("interactive consumer has the broker again")
+            ctx.broker_lost_at = None
         while not ctx.stopping.is_set() and ctx.ready() and lanes.models() == models:
             if not models:
                 ctx.stopping.wait(0.2)

@@ -4,7 +4,7 @@ A port per worker rather than the worker row read through the api: a probe must 
 itself (a pod whose engine hangs still has a fresh row until its lease runs out), it answers while
 Postgres or the api are down, and Prometheus scrapes each GPU's figures where they are made.
 
-Ready means the engine is loaded and the worker claims work (``ctx.ready()``); healthy means the
+Ready means the engine is loaded and the worker claims work (``ctx.serving()``); healthy means the
 process answers. The metric objects below are this process's; the runner, the writer and recovery
 count into them (``metrics.TAKEOVERS.labels(model=...).inc()``).
 """
@@ -70,7 +70,8 @@ class _Handler(BaseHTTPRequestHandler):
             if self.ready():
                 self._json(200, {"status": "ready"})
             else:
-                self._problem("overloaded", "Not ready: the engine is loading or the worker is draining")
+                self._problem("overloaded", "Not ready: the engine is loading, the worker is draining or it "
+                              "lost the broker")
         else:
             self._problem("not_found", f"No route {self.path}; /readyz, /healthz and /metrics exist")
 
@@ -96,11 +97,11 @@ def start_metrics_server(ctx) -> ThreadingHTTPServer | None:
     """Serve this worker's port on a daemon thread; None when the port is 0 or taken."""
     settings = ctx.settings
     for model in ctx.hosts.slots:  # a worker of several models claims for each while it is ready
-        READY.labels(model=model).set_function(lambda: float(ctx.ready()))
+        READY.labels(model=model).set_function(lambda: float(ctx.serving()))
         ENGINE_RUNNING.labels(model=model).set_function(lambda m=model: ctx.hosts.running(m))  # loaded or not
     if not settings.worker_metrics_port:
         return None
-    handler = type("Handler", (_Handler,), {"ready": staticmethod(ctx.ready)})
+    handler = type("Handler", (_Handler,), {"ready": staticmethod(ctx.serving)})
     try:
         server = ThreadingHTTPServer((settings.worker_metrics_host, settings.worker_metrics_port), handler)
     except OSError as exc:

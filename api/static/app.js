@@ -244,7 +244,7 @@ function tickDurations() {  // an unchanged list still has running tasks whose d
   for (const row of $("#tasks tbody").rows) if (row.task) row.cells[3].textContent = duration(row.task);
 }
 
-const WORKER_STATES = ["ready", "loading", "reloading", "draining", "lost"];
+const WORKER_STATES = ["ready", "loading", "reloading", "reconnecting", "draining", "lost"];
 function rate(x) { return `${x.toFixed(1)} tok/s`; }
 
 // Each worker for a token with scope admin; per model for others (the api leaves `data` out).

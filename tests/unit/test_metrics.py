@@ -77,7 +77,7 @@ def test_api_metrics_count_tasks_queues_and_workers_from_the_database(app):
 def fake_ctx(port: int, ready: list[bool]):
     from common.settings import Settings
     settings = Settings(worker_metrics_host="127.0.0.1", worker_metrics_port=port)
-    return SimpleNamespace(settings=settings, ready=lambda: ready[0],
+    return SimpleNamespace(settings=settings, serving=lambda: ready[0],
                            hosts=SimpleNamespace(slots={"fake:1": None}, running=lambda model=None: 5))
 
 

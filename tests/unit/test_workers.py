@@ -33,9 +33,9 @@ def test_token_rate_counts_whole_seconds_of_a_sliding_window():
 
 
 def test_a_workers_state_is_what_the_panel_shows():
-    def ctx(ready=True, draining=False, lost_at=None):
+    def ctx(ready=True, draining=False, lost_at=None, broker_lost_at=None):
         flags = SimpleNamespace(draining=threading.Event(), stopping=threading.Event(), engine_lost_at=lost_at,
-                                ready=lambda: ready)
+                                broker_lost_at=broker_lost_at, ready=lambda: ready)
         if draining:
             flags.draining.set()
         return flags
@@ -43,6 +43,10 @@ def test_a_workers_state_is_what_the_panel_shows():
     assert WorkerContext.state(ctx(ready=False)) == "loading"
     assert WorkerContext.state(ctx(ready=False, lost_at=5.0)) == "reloading"
     assert WorkerContext.state(ctx(ready=False, draining=True)) == "draining"
+    # Its consumer lost the broker: no work reaches it, so it does not say it serves (its heartbeat's ready,
+    # /readyz, GET /models); a direct request does not wait for it (found by an operator's probe).
+    assert WorkerContext.state(ctx(broker_lost_at=5.0)) == "reconnecting"
+    assert WorkerContext.serving(ctx(broker_lost_at=5.0)) is False and WorkerContext.serving(ctx()) is True
 
 
 def _seed(unit, model: str) -> None:
@@ -70,7 +74,7 @@ def test_every_token_sees_workers_per_model_and_admin_each_worker(unit):
     doc = user.get_json()
     assert "data" not in doc  # worker ids name hosts: scope admin only
     mine = next(m for m in doc["models"] if m["model"] == model)
-    assert mine == {"model": model, "workers": {"ready": 1, "loading": 0, "reloading": 1, "draining": 0, "lost": 1},
+    assert mine == {"model": model, "workers": {"ready": 1, "loading": 0, "reloading": 1, "reconnecting": 0, "draining": 0, "lost": 1},
                     "loaded_on": 1}
     assert doc["running"] >= 2 and doc["tokens_per_second"] >= 12.35
 
