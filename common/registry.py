@@ -50,7 +50,7 @@ class ModelSpec(BaseModel):
     tool_call_parser: str | None = None           # "hermes": <tool_call>{json}</tool_call>
     reasoning_parser: str | None = None           # "think": <think>...</think> (Qwen3, DeepSeek-R1)
     default_temperature: float = Field(0.7, ge=0, le=2)  # the range a request may ask for
-    queue_depth: int = Field(10000, ge=1)         # beyond this many queued tasks: 503 overloaded
+    queue_depth: int = Field(10000, ge=0)         # beyond this many queued tasks: 503 overloaded
 
     @field_validator("engine", mode="before")
     @classmethod

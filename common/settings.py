@@ -48,9 +48,10 @@ class Settings(BaseSettings):
     db_max_overflow: int = Field(20, ge=0)
     db_pool_recycle_seconds: Interval = 300.0  # a pooled connection older than this is replaced at checkout
     # Retention (spec 11.2).
-    event_retention_seconds: Count = 24 * 3600
-    record_retention_seconds: Count = 30 * 24 * 3600
-    idempotency_retention_seconds: Count = 24 * 3600
+    # 0: gone as soon as allowed (a test of 410, say); negative is refused, not taken for "for ever".
+    event_retention_seconds: int = Field(24 * 3600, ge=0)
+    record_retention_seconds: int = Field(30 * 24 * 3600, ge=0)
+    idempotency_retention_seconds: int = Field(24 * 3600, ge=0)
     # The event log's partitions on Postgres: each holds the responses made in this period, and they are
     # made this far ahead (common/partitions.py). A partition is dropped whole, so events are kept for
     # up to one period more than the event retention.
@@ -60,7 +61,7 @@ class Settings(BaseSettings):
     lease_seconds: Count = 30
     heartbeat_seconds: Interval = 5.0
     sweep_seconds: Interval = 10.0
-    requeue_after_seconds: Count = 60   # a queued task older than this with no claim is dispatched again
+    requeue_after_seconds: int = Field(60, ge=0)  # a queued task older than this with no claim is dispatched again
     direct_requeue_after_seconds: Interval = 5.0  # the same for a direct response: a person is waiting
     max_attempts: Count = 3           # engine deaths while a task is prefilled before it fails (a poison request)
     drain_seconds: float = Field(120.0, ge=0)     # SIGTERM: running generations get this long before they are handed on
@@ -79,9 +80,9 @@ class Settings(BaseSettings):
     max_tools: int = Field(128, ge=0)
     max_string_chars: Count = 512 * 1024
     rate_limit_per_second: float = Field(50.0, ge=0)  # 0: no limit
-    rate_limit_burst: Count = 100
-    max_queued_tasks_per_principal: Count = 1000
-    max_queue_depth: Count = 10000
+    rate_limit_burst: int = Field(100, ge=0)
+    max_queued_tasks_per_principal: int = Field(1000, ge=0)  # 0: every task refused (a closed door)
+    max_queue_depth: int = Field(10000, ge=0)
     # Requests that hold an api thread while they wait (direct responses, long polls, WebSocket-mode
     # connections, and event streams where the socket cannot be handed over: api/live/).
     stream_reserved_threads: int = Field(16, ge=0)  # per process, kept for health probes and short requests

@@ -72,11 +72,11 @@ def test_out_of_range_settings_are_named_together(env, capsys):
 
 
 @pytest.mark.parametrize("name, value", [
-    # Each of these was taken: a drain of nan seconds failed every task at SIGTERM, a burst of 0 refused
-    # every request, and a negative retention would have dropped what it is to keep.
-    ("drain_seconds", "nan"), ("drain_seconds", "-1"), ("rate_limit_burst", "0"),
-    ("max_queued_tasks_per_principal", "0"), ("rate_limit_per_second", "-1"), ("max_task_wait_seconds", "-1"),
-    ("event_retention_seconds", "-1"), ("record_retention_seconds", "0"), ("api_threads", "9" * 20),
+    # Each of these was taken: a drain of nan seconds failed every task at SIGTERM, and a negative retention
+    # would have dropped what it is to keep (0 stays a value: gone as soon as allowed, or a closed door).
+    ("drain_seconds", "nan"), ("drain_seconds", "-1"), ("rate_limit_burst", "-1"),
+    ("max_queued_tasks_per_principal", "-1"), ("rate_limit_per_second", "-1"), ("max_task_wait_seconds", "-1"),
+    ("event_retention_seconds", "-1"), ("record_retention_seconds", "-5"), ("api_threads", "9" * 20),
     ("worker_keep_alive_seconds", "inf"),
 ])
 def test_a_setting_out_of_its_range_is_one_line(env, capsys, name, value):
