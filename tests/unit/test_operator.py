@@ -84,16 +84,18 @@ def test_a_setting_out_of_its_range_is_one_line(env, capsys, name, value):
     fails_with(capsys, ("tokens", "list"), f"LMSP_{name.upper()}={value!r}", "is not valid")
 
 
-def test_a_heartbeat_slower_than_half_the_lease_stops_the_worker(env, tmp_path):
+def test_a_heartbeat_slower_than_half_the_lease_is_made_faster_and_said(env, tmp_path, caplog):
     import yaml
 
+    from common.settings import ConfigError
     from tests.harness import model_entry
     from worker import main as worker_main
-    (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [model_entry("m:1", engine="sim")]}))
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump({"models": [model_entry("m:1", checkpoint=str(tmp_path))]}))
     env(heartbeat_seconds="20", lease_seconds="30")
-    with pytest.raises(SystemExit) as exit_:
-        worker_main.run("m:1")
-    assert "LMSP_HEARTBEAT_SECONDS=20 is more than half of LMSP_LEASE_SECONDS=30" in str(exit_.value.code)
+    with pytest.raises(ConfigError):  # (its checkpoint is not one: it stops after the settings' check)
+        worker_main.build(["m:1"], None)
+    assert get_settings().heartbeat_seconds == 10
+    assert "LMSP_HEARTBEAT_SECONDS=20 is more than half of LMSP_LEASE_SECONDS=30" in caplog.text
 
 
 @pytest.mark.parametrize("url, words", [
