@@ -325,9 +325,9 @@ class Registry:
                 spec = ModelSpec.model_validate(entry)
             except ValidationError as exc:
                 err = exc.errors()[0]
-                field = ".".join(map(str, err["loc"]))
+                field = ".".join(map(str, err["loc"])) + ": " if err["loc"] else ""  # none: of the whole model
                 raise ConfigError(f"the models file {path}: model {i + 1} ({entry.get('id', 'no id')}): "
-                                  f"{field}: {err['msg']}: {fix}") from None
+                                  f"{field}{err['msg'].removeprefix('Value error, ')}: {fix}") from None
             if spec.id in places:  # else the later would silently win
                 raise ConfigError(f"the models file {path}: models {places[spec.id]} and {i + 1} have the same "
                                   f"id {spec.id!r}: {fix}")

@@ -1,5 +1,7 @@
 """Operators' commands: the KEDA role (run by the migrate Job) and `lmsp doctor`."""
 
+import math
+
 import click
 
 from common.settings import get_settings
@@ -34,11 +36,17 @@ def keda_role(keda_url: str) -> None:
     say(f"KEDA's role {role} can count tasks (read-only) in {shown_url(url)}")
 
 
+def _finite(value: float) -> float:
+    if not math.isfinite(value):  # nan passes every range (each comparison is false), inf fails every disk
+        raise click.BadParameter(f"{value} is not a number of GiB")
+    return value
+
+
 @cli.command("doctor")
 @click.option("--model", "models", multiple=True, help="Check these models only (a worker host's own); "
               "default: every model of the registry.")
 @click.option("--min-free-gib", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              help="Free space the model cache needs.")
+              callback=lambda _ctx, _param, value: _finite(value), help="Free space the model cache needs.")
 def doctor(models: tuple[str, ...], min_free_gib: float) -> None:
     """Check this host: Postgres and Redis by the configured URLs, the schema, the clock against the
     database, the models (and their revision), the GPU as torch sees it, free disk, this host's worker

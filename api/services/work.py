@@ -198,9 +198,15 @@ def queue_task(svc: Services, session: Session, principal: str, prepared: Prepar
         if lifecycle.create_task(session, response, task, room, also=record, commit=True):
             return task
         mine, total = lifecycle.queued(session, principal, model)
+        if room.mine == 0:  # a closed door, not a full one: waiting changes nothing
+            raise LMSPError("rate_limited", "This service takes no tasks now (its limit of queued tasks per "
+                            "principal is 0); ask its operator", retry_after=60)
         if mine >= room.mine:
             raise LMSPError("rate_limited", f"You have {mine} queued tasks, the limit is {room.mine}; wait for "
                             "some to finish", retry_after=5)
+        if room.total == 0:
+            raise LMSPError("overloaded", f"The queue of {model} takes no tasks now (its depth is 0); ask the "
+                            "service's operator", retry_after=60)
         if total >= room.total:
             raise LMSPError("overloaded", f"The queue of {model} is full ({total} tasks); retry later",
                             retry_after=10)

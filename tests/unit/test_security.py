@@ -140,6 +140,17 @@ def test_rate_limit_per_principal(tmp_path):
     assert heidi.get("/lmsp/v1/models").status_code == 200  # another principal's bucket is its own
 
 
+def test_a_queue_limit_of_0_is_a_closed_door_said_so(tmp_path):
+    """0 is a value (a service taking no tasks for now), and its 429 said "You have 0 queued tasks, the
+    limit is 0; wait for some to finish": waiting changes nothing."""
+    from tests.unit.conftest import make_unit
+
+    unit = make_unit(tmp_path, max_queued_tasks_per_principal=0)
+    resp = unit.as_("kim").post("/lmsp/v1/tasks", task_body())
+    assert "takes no tasks" in problem(resp, 429, "rate_limited")["detail"]
+    assert resp.headers["Retry-After"] == "60"
+
+
 def test_queue_limits(tmp_path):
     from tests.unit.conftest import make_unit
 
