@@ -37,9 +37,13 @@ def models_list(registry: bool, url, token, as_json: bool) -> None:
     if not registry:
         return _served_models(url=url, token=token, as_json=as_json)
     from common.registry import Registry, detect_machine, local_checkpoint, resolve_engine, source_of
-    specs = list(Registry.load(get_settings().models_path).models.values())
+    path = get_settings().models_path
+    specs = list(Registry.load(path).models.values())
     if as_json:
         return print_json([s.model_dump(mode="json") for s in specs])
+    if not specs:  # said on stderr: the list (stdout) stays empty for scripts
+        say(f"no model in {path}" + ("" if path.exists() else " (there is no such file: check LMSP_MODELS_FILE)")
+            + "; `make model` imports the default, `lmsp models import-gguf` another")
     machine = detect_machine()  # engine settings as a worker on this machine resolves them
     for spec in specs:
         try:

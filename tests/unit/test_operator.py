@@ -374,3 +374,11 @@ def test_doctors_disk_check_reads_every_model_cache(tmp_path, capsys):
     for bad in ("-5", "nan", "inf"):  # a usage error, not a check that always passes (or always fails)
         code, lines, _ = lmsp(capsys, "doctor", "--min-free-gib", bad)
         assert code == 2 and any(bad in line for line in lines), lines
+
+
+def test_an_empty_registry_listing_says_where_it_looked(env, capsys, tmp_path):
+    """``lmsp models list --registry`` printed nothing and exited 0 for a models file that is not there."""
+    env(models_file=str(tmp_path / "typo.yaml"))
+    code, lines, out = lmsp(capsys, "models", "list", "--registry")
+    assert code in (0, None) and out == ""
+    assert "no model in" in lines[-1] and "there is no such file" in lines[-1] and "typo.yaml" in lines[-1]
