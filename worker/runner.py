@@ -141,6 +141,9 @@ class Job:
             raise EngineStopped()
         if entry.cancelled or self.finish_reason == "abort":
             status = R.CANCELLED
+            # (a direct response's client went away, or a task was cancelled: operators see why it stopped)
+            log.info("%s %s stopped: cancelled after %d output tokens", "task" if self.attempt.task_id else
+                     "direct response", self.rid, self.output_tokens)
         elif error is not None:
             status = R.FAILED
         elif self.finish_reason == "length":
